@@ -1,0 +1,11 @@
+"""hf_asymkv: asymmetric KV-cache quantization for Hugging Face transformers.
+
+Keys are stored 8-bit per channel (INT8 or FP8), values 4-bit per token, the newest tokens exact.
+"""
+
+from .cache import AsymKVCache
+from .layer import AsymKVLayer
+from .quant import QuantSpec
+
+__all__ = ["AsymKVCache", "AsymKVLayer", "QuantSpec", "__version__"]
+__version__ = "0.1.0"

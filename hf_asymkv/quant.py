@@ -1,0 +1,303 @@
+"""Quantization primitives: pure tensor functions, no transformers import.
+
+Every scheme the cache can store is one :class:`QuantSpec`: a number format, a granularity that says which
+elements share a scale, and the group size along ``head_dim`` for per-token groups. All functions take cache
+tensors shaped ``[batch, kv_heads, tokens, head_dim]`` and return codes plus scale/zero tensors shaped for
+broadcasting over ``[batch, kv_heads, tokens // token_group, token_group, head_dim // channel_group,
+channel_group]``: one view, one multiply(-add), whatever the granularity. That is what keeps dequantization a
+single vectorized op per layer.
+
+Granularities (``token_group`` x ``channel_group`` elements share a scale):
+
+- ``"channel"``: one scale per (head, channel) per block of ``block_size`` tokens (KIVI-style keys).
+- ``"token"``: one scale per token per ``group_size`` channels (values).
+- ``"tensor"``: one scale per block of tokens for all heads and channels (the per-tensor baseline, made
+  append-only by giving each block its own scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FORMATS",
+    "GRANULARITIES",
+    "QuantSpec",
+    "scale_from_absmax",
+    "compute_scale_zero",
+    "quantize",
+    "dequantize",
+    "pack_bits",
+    "unpack_bits",
+    "sqnr_db",
+]
+
+# name -> (bits, is_float). Float formats map onto torch's float8 dtypes.
+FORMATS: dict[str, tuple[int, bool]] = {
+    "int8": (8, False),
+    "int4": (4, False),
+    "int2": (2, False),
+    "fp8_e4m3": (8, True),
+    "fp8_e5m2": (8, True),
+}
+GRANULARITIES = ("channel", "token", "tensor")
+_FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one tensor (K or V) is stored.
+
+    Args:
+        fmt: one of :data:`FORMATS`.
+        granularity: one of :data:`GRANULARITIES`.
+        group_size: channels sharing a scale for ``"token"`` granularity (must divide ``head_dim``); ignored
+            otherwise.
+        symmetric: symmetric (scale only, zero at 0) or asymmetric (scale + zero = group minimum). Float
+            formats are always symmetric.
+        scale_dtype: storage dtype of scales and zeros. Scales are rounded *up* and zeros *down* into it, and
+            codes are computed against the stored values, so rounding the metadata never clips.
+    """
+
+    fmt: str
+    granularity: str
+    group_size: int | None = None
+    symmetric: bool = True
+    scale_dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"Unknown quantization format {self.fmt!r}; allowed: {sorted(FORMATS)}.")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"Unknown granularity {self.granularity!r}; allowed: {list(GRANULARITIES)}.")
+        if self.granularity == "token" and (self.group_size is None or self.group_size < 1):
+            raise ValueError(f"'token' granularity needs a positive group_size, got {self.group_size!r}.")
+        if self.is_float and not self.symmetric:
+            raise ValueError(f"Float format {self.fmt!r} is symmetric only; got symmetric=False.")
+
+    @property
+    def bits(self) -> int:
+        return FORMATS[self.fmt][0]
+
+    @property
+    def is_float(self) -> bool:
+        return FORMATS[self.fmt][1]
+
+    @property
+    def qmax(self) -> float:
+        """Largest code magnitude: 448 for E4M3, 57344 for E5M2, 127 for symmetric int8, 15 for asym int4."""
+        if self.is_float:
+            return float(torch.finfo(_FP8_DTYPES[self.fmt]).max)
+        return float(2 ** (self.bits - 1) - 1) if self.symmetric else float(2**self.bits - 1)
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        if self.is_float:
+            return _FP8_DTYPES[self.fmt]
+        return torch.int8 if self.bits == 8 and self.symmetric else torch.uint8
+
+    def groups(self, head_dim: int, block_size: int) -> tuple[int, int]:
+        """``(token_group, channel_group)``: how many tokens and channels share one scale."""
+        if self.granularity == "channel":
+            return block_size, 1
+        if self.granularity == "tensor":
+            return block_size, head_dim
+        if head_dim % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide head_dim={head_dim}.")
+        return 1, self.group_size
+
+    def packed_dim(self, head_dim: int) -> int:
+        """Size of the last axis of the stored codes (sub-byte codes are packed along ``head_dim``)."""
+        per_byte = 8 // self.bits
+        if head_dim % per_byte:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {per_byte} to pack {self.bits}-bit codes.")
+        return head_dim // per_byte
+
+
+def _grouped(x: torch.Tensor, tg: int, cg: int) -> torch.Tensor:
+    """View ``[B, H, T, D]`` as ``[B, H, T // tg, tg, D // cg, cg]`` (a true view: splitting axes never copies,
+    so writes through the result land in ``x``, slices of a larger buffer included)."""
+    b, h, t, d = x.shape
+    return x.view(b, h, t // tg, tg, d // cg, cg)
+
+
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast positive ``x`` to ``dtype`` so that the result is >= x (and finite)."""
+    y = x.to(dtype)
+    low = y.float() < x
+    if low.any():
+        y = torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
+    return y.clamp(max=torch.finfo(dtype).max)
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast ``x`` to ``dtype`` so that the result is <= x (and finite)."""
+    y = x.to(dtype)
+    high = y.float() > x
+    if high.any():
+        y = torch.where(high, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
+    finfo = torch.finfo(dtype)
+    return y.clamp(min=finfo.min, max=finfo.max)
+
+
+def scale_from_absmax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Symmetric scale for a given range: ``amax / qmax``, strictly positive, rounded up into ``scale_dtype``.
+
+    Used for measured ranges and for calibrated ones (e.g. a calibrated per-channel K absmax).
+    """
+    tiny = torch.finfo(spec.scale_dtype).tiny
+    return _round_up((amax.float() / spec.qmax).clamp(min=tiny), spec.scale_dtype)
+
+
+def compute_scale_zero(
+    x: torch.Tensor, spec: QuantSpec, block_size: int = 1
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero for asymmetric specs) for ``x``.
+
+    Non-finite elements are ignored when measuring the range (they saturate in :func:`quantize`).
+
+    Args:
+        x: ``[B, H, T, D]`` floating tensor; ``T`` a multiple of ``block_size`` for block granularities.
+        spec: the storage spec.
+        block_size: tokens per block for ``"channel"``/``"tensor"`` granularity.
+
+    Returns:
+        ``(scale, zero)`` each ``[B, H, T // tg, D // cg]`` in ``spec.scale_dtype``; ``zero`` is None for
+        symmetric specs. ``scale`` is strictly positive.
+    """
+    tg, cg = spec.groups(x.shape[-1], block_size)
+    xf = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    g = _grouped(xf, tg, cg)
+    tiny = torch.finfo(spec.scale_dtype).tiny
+    if spec.symmetric:
+        amax = g.abs().amax(dim=(3, 5), keepdim=True)
+        if spec.granularity == "tensor":
+            amax = amax.amax(dim=1, keepdim=True).expand_as(amax)
+        return scale_from_absmax(amax, spec)[:, :, :, 0, :, 0], None
+    lo = g.amin(dim=(3, 5), keepdim=True)
+    hi = g.amax(dim=(3, 5), keepdim=True)
+    if spec.granularity == "tensor":
+        lo = lo.amin(dim=1, keepdim=True).expand_as(lo)
+        hi = hi.amax(dim=1, keepdim=True).expand_as(hi)
+    zero = _round_down(lo, spec.scale_dtype)
+    scale = _round_up(((hi - zero.float()) / spec.qmax).clamp(min=tiny), spec.scale_dtype)
+    return scale[:, :, :, 0, :, 0], zero[:, :, :, 0, :, 0]
+
+
+def _bcast(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, G_t, G_c]`` -> ``[B, H, G_t, 1, G_c, 1]``."""
+    return t[:, :, :, None, :, None]
+
+
+def quantize(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec, block_size: int = 1
+) -> torch.Tensor:
+    """Encode ``x`` with the given scale/zero.
+
+    Values beyond the representable range saturate (+-inf included); NaN encodes as 0.
+
+    Args:
+        x: ``[B, H, T, D]``.
+        scale, zero: from :func:`compute_scale_zero` (or calibrated), ``[B, H, T // tg, D // cg]``.
+
+    Returns:
+        codes ``[B, H, T, spec.packed_dim(D)]`` of ``spec.code_dtype``.
+    """
+    tg, cg = spec.groups(x.shape[-1], block_size)
+    g = _grouped(x.float(), tg, cg)
+    if zero is not None:
+        g = g - _bcast(zero).float()
+    y = (g / _bcast(scale).float()).reshape(x.shape)
+    y = torch.nan_to_num(y, nan=0.0)
+    if spec.is_float:
+        return y.clamp(-spec.qmax, spec.qmax).to(spec.code_dtype)
+    lo = -spec.qmax if spec.symmetric else 0.0
+    codes = y.round_().clamp_(lo, spec.qmax)
+    if spec.bits == 8:
+        return codes.to(spec.code_dtype)
+    if spec.symmetric:  # store the signed code with an offset so that it packs as an unsigned nibble
+        codes += 2 ** (spec.bits - 1)
+    return pack_bits(codes.to(torch.uint8), spec.bits)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    spec: QuantSpec,
+    block_size: int = 1,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode codes back to ``dtype``: one broadcast multiply(-add), vectorized over every block.
+
+    Args:
+        codes: ``[B, H, T, packed_dim]`` from :func:`quantize`.
+        scale, zero: ``[B, H, T // tg, D // cg]``.
+        dtype: output dtype (the model's); arithmetic runs in it.
+        out: optional ``[B, H, T, D]`` destination (e.g. a slice of the dense K/V handed to attention).
+
+    Returns:
+        ``[B, H, T, D]`` tensor (``out`` when given).
+    """
+    if spec.is_float:
+        vals = codes.to(dtype)
+    elif spec.bits == 8:
+        vals = codes  # int8/uint8 promote to `dtype` inside the multiply, without a temporary copy
+    else:
+        vals = unpack_bits(codes, spec.bits).to(dtype)
+        if spec.symmetric:
+            vals -= 2 ** (spec.bits - 1)
+    head_dim = vals.shape[-1]
+    tg, cg = spec.groups(head_dim, block_size)
+    g = _grouped(vals, tg, cg)
+    dest = None if out is None else _grouped(out, tg, cg)
+    s = _bcast(scale).to(dtype)
+    if not g.is_floating_point() and (dest is None or zero is not None):
+        g = g.to(dtype)
+    if zero is None:
+        res = torch.mul(g, s, out=dest)
+    else:
+        res = torch.addcmul(_bcast(zero).to(dtype), g, s, out=dest)
+    return out if out is not None else res.reshape(vals.shape)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``bits``-wide codes (``uint8`` in ``[0, 2**bits)``) along the last axis.
+
+    Element ``j`` of each byte-group lands in bits ``[j*bits, (j+1)*bits)`` (little end first).
+
+    Args:
+        codes: ``[..., D]`` uint8 with ``D`` a multiple of ``8 // bits``.
+
+    Returns:
+        ``[..., D * bits // 8]`` uint8.
+    """
+    per_byte = 8 // bits
+    g = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    out = g[..., 0].clone()
+    for j in range(1, per_byte):
+        out |= g[..., j] << (j * bits)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``[..., P]`` uint8 -> ``[..., P * 8 // bits]`` uint8."""
+    per_byte = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    mask = (1 << bits) - 1
+    parts = (packed.unsqueeze(-1) >> shifts) & mask
+    return parts.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``10 log10(|x|^2 / |x - x_hat|^2)`` (inf when exact)."""
+    ref = reference.double()
+    noise = (ref - approx.double()).pow(2).sum()
+    if noise == 0:
+        return math.inf
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))

