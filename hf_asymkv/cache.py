@@ -9,11 +9,17 @@ decision lives in the layer.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+
+try:  # transformers >= 5.x: the resolution DynamicCache itself uses (KV sharing, MLP-only layers, per-layer configs)
+    from transformers.cache_utils import get_layer_types_and_kwargs as _hf_layer_types
+except ImportError:  # pragma: no cover
+    _hf_layer_types = None
 
 from .layer import OVERFLOW_POLICIES, AsymKVLayer
 from .quant import FORMATS, GRANULARITIES, QuantSpec
@@ -44,13 +50,34 @@ def _head_dim(config: PreTrainedConfig) -> int:
     return int(head_dim)
 
 
+def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedConfig]:
+    """One config per layer: heterogeneous configs (e.g. Gemma4, whose full-attention layers have their own
+    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is None or len(per_layer) != n_layers:
+        return [config] * n_layers
+    return [per_layer[i] for i in range(n_layers)]
+
+
 def _layer_types(config: PreTrainedConfig) -> list[str]:
-    """Per-layer attention type, as transformers' own caches see it."""
-    types = getattr(config, "layer_types", None)
-    if types is None:
+    """Per-layer cache type, exactly as transformers' own `DynamicCache` sees it.
+
+    Where transformers resolves it (``get_layer_types_and_kwargs``), KV-sharing consumer layers and MLP/MoE-only
+    layers come back as ``"dummy"`` and missing ``layer_types`` are inferred per layer.
+    """
+    if _hf_layer_types is not None:
+        return list(_hf_layer_types(config)[0])
+    types = getattr(config, "layer_types", None)  # pragma: no cover - transformers without the helper
+    if types is None:  # pragma: no cover
         sliding = getattr(config, "sliding_window", None)
         types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
-    return list(types)
+    return list(types)  # pragma: no cover
+
+
+def _default_group(head_dims: list[int]) -> int:
+    """Largest channel group <= 128 that divides every head_dim (the head_dim itself when <= 128)."""
+    g = math.gcd(*head_dims)
+    return max(d for d in range(1, min(g, 128) + 1) if g % d == 0)
 
 
 class AsymKVCache(Cache):
@@ -60,7 +87,9 @@ class AsymKVCache(Cache):
         config: the model config (`model.config`); multimodal configs use their text decoder.
         key_format: one of :data:`KEY_FORMATS`; ``int8`` by default (measured, see README).
         value_bits: 2, 4 or 8 (asymmetric integer, scale + zero per group).
-        value_group_size: channels per V scale; defaults to ``min(head_dim, 128)``; must divide head_dim.
+        value_group_size: channels per V scale; must divide head_dim (of every full-attention layer, for
+            configs with per-layer head dims); defaults to the largest such divisor <= 128 (``min(head_dim, 128)``
+            for the usual head dims 64/128/256).
         key_block_size: tokens per quantized block (K per-channel scales are per block).
         residual_length: newest tokens kept in the model dtype (>= 0).
         sink_tokens: first tokens kept in the model dtype (>= 0).
@@ -101,7 +130,6 @@ class AsymKVCache(Cache):
         if not isinstance(config, PreTrainedConfig):
             raise ValueError(f"config must be a transformers PreTrainedConfig (model.config), got {type(config).__name__}.")
         text_config = config.get_text_config(decoder=True)
-        head_dim = _head_dim(text_config)
         _choice("key_format", key_format, KEY_FORMATS)
         _choice("value_bits", value_bits, VALUE_BITS)
         _choice("key_granularity", key_granularity, GRANULARITIES)
@@ -112,18 +140,6 @@ class AsymKVCache(Cache):
         _positive_int("sink_tokens", sink_tokens, 0)
         if not (isinstance(growth_factor, (int, float)) and growth_factor > 1):
             raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}.")
-        value_group_size = min(head_dim, 128) if value_group_size is None else value_group_size
-        key_group_size = head_dim if key_group_size is None else key_group_size
-        for name, size in (("value_group_size", value_group_size), ("key_group_size", key_group_size)):
-            _positive_int(name, size)
-            if head_dim % size:
-                divisors = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
-                raise ValueError(f"{name} must divide head_dim={head_dim} (one of {divisors}), got {size}.")
-        self.key_spec = QuantSpec(key_format, key_granularity, key_group_size, True, torch.bfloat16)
-        value_fmt = f"int{value_bits}"
-        self.value_spec = QuantSpec(value_fmt, value_granularity, value_group_size, value_symmetric, torch.float16)
-        if value_fmt not in FORMATS:  # pragma: no cover - VALUE_BITS and FORMATS agree
-            raise ValueError(f"value_bits={value_bits} has no format.")
 
         layer_types = _layer_types(text_config)
         if not any(t == "full_attention" or t in _SLIDING_TYPES for t in layer_types):
@@ -131,6 +147,24 @@ class AsymKVCache(Cache):
                 f"config {type(config).__name__} has no attention layers (layer types {sorted(set(layer_types))}); "
                 "AsymKVCache needs at least one full or sliding attention layer."
             )
+        # Group sizes must divide the head_dim of every layer that quantizes (the full-attention ones).
+        layer_configs = _layer_configs(text_config, len(layer_types))
+        quantized = [i for i, t in enumerate(layer_types) if t == "full_attention"] or range(len(layer_types))
+        head_dims = sorted({_head_dim(layer_configs[i]) for i in quantized})
+        value_group_size = _default_group(head_dims) if value_group_size is None else value_group_size
+        key_group_size = math.gcd(*head_dims) if key_group_size is None else key_group_size
+        for name, size in (("value_group_size", value_group_size), ("key_group_size", key_group_size)):
+            _positive_int(name, size)
+            if any(hd % size for hd in head_dims):
+                divisors = [g for g in range(1, math.gcd(*head_dims) + 1) if all(hd % g == 0 for hd in head_dims)]
+                hd_text = f"head_dim={head_dims[0]}" if len(head_dims) == 1 else f"every head_dim {head_dims}"
+                raise ValueError(f"{name} must divide {hd_text} (one of {divisors}), got {size}.")
+        self.key_spec = QuantSpec(key_format, key_granularity, key_group_size, True, torch.bfloat16)
+        value_fmt = f"int{value_bits}"
+        self.value_spec = QuantSpec(value_fmt, value_granularity, value_group_size, value_symmetric, torch.float16)
+        if value_fmt not in FORMATS:  # pragma: no cover - VALUE_BITS and FORMATS agree
+            raise ValueError(f"value_bits={value_bits} has no format.")
+
         if key_absmax is not None:
             if key_granularity != "channel":
                 raise ValueError(f"calibrated key ranges need key_granularity='channel', got {key_granularity!r}.")
@@ -149,7 +183,7 @@ class AsymKVCache(Cache):
     def _build_layers(self, text_config, layer_types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
         # What DynamicCache builds for this config: reused for every layer type we do not quantize.
         fallback = DynamicCache(config=text_config).layers
-        if len(fallback) != len(layer_types):  # older configs without layer_types: DynamicCache builds lazily
+        if len(fallback) != len(layer_types):  # pragma: no cover - older transformers: DynamicCache builds lazily
             fallback = [None] * len(layer_types)
         s = self.settings
         layers = []

@@ -59,7 +59,9 @@ class QuantSpec:
         symmetric: symmetric (scale only, zero at 0) or asymmetric (scale + zero = group minimum). Float
             formats are always symmetric.
         scale_dtype: storage dtype of scales and zeros. Scales are rounded *up* and zeros *down* into it, and
-            codes are computed against the stored values, so rounding the metadata never clips.
+            codes are computed against the stored values, so rounding the metadata never clips (as long as the
+            range fits: a scale or zero beyond ``scale_dtype``'s finite range is clamped to it, e.g. |x| above
+            ~65504 * qmax with float16 scales, and the elements past it saturate).
     """
 
     fmt: str
@@ -157,7 +159,9 @@ def compute_scale_zero(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero for asymmetric specs) for ``x``.
 
-    Non-finite elements are ignored when measuring the range (they saturate in :func:`quantize`).
+    Non-finite elements count as 0 when measuring the range: they never widen it beyond 0, and a group that has
+    one always covers 0, so NaN (encoded as the value 0) decodes to within half a step of 0 and +-inf saturate
+    to the group's extremes in :func:`quantize`.
 
     Args:
         x: ``[B, H, T, D]`` floating tensor; ``T`` a multiple of ``block_size`` for block granularities.
@@ -197,7 +201,10 @@ def quantize(
 ) -> torch.Tensor:
     """Encode ``x`` with the given scale/zero.
 
-    Values beyond the representable range saturate (+-inf included); NaN encodes as 0.
+    Values beyond the representable range saturate (+-inf included: to the group's largest / smallest
+    representable value). NaN encodes as the value 0, i.e. as the code nearest 0: it decodes to exactly 0 for
+    symmetric specs and to within half a step of 0 for asymmetric ones (whose range covers 0, see
+    :func:`compute_scale_zero`), not to the group minimum.
 
     Args:
         x: ``[B, H, T, D]``.
@@ -207,7 +214,9 @@ def quantize(
         codes ``[B, H, T, spec.packed_dim(D)]`` of ``spec.code_dtype``.
     """
     tg, cg = spec.groups(x.shape[-1], block_size)
-    g = _grouped(x.float(), tg, cg)
+    xf = x.float()
+    xf = torch.where(torch.isnan(xf), 0.0, xf)  # NaN -> the value 0 (before the zero shift: asymmetric too)
+    g = _grouped(xf, tg, cg)
     if zero is not None:
         g = g - _bcast(zero).float()
     y = (g / _bcast(scale).float()).reshape(x.shape)
