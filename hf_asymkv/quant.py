@@ -201,10 +201,10 @@ def quantize(
 ) -> torch.Tensor:
     """Encode ``x`` with the given scale/zero.
 
-    Values beyond the representable range saturate (+-inf included: to the group's largest / smallest
-    representable value). NaN encodes as the value 0, i.e. as the code nearest 0: it decodes to exactly 0 for
-    symmetric specs and to within half a step of 0 for asymmetric ones (whose range covers 0, see
-    :func:`compute_scale_zero`), not to the group minimum.
+    Values beyond the representable range saturate. +-inf saturate to the group's largest / smallest
+    representable value, which is >= 0 / <= 0 (such a group's range covers 0, see :func:`compute_scale_zero`).
+    NaN encodes as the value 0, i.e. as the code nearest 0: it decodes to exactly 0 for symmetric specs and to
+    within half a step of 0 for asymmetric ones, not to the group minimum.
 
     Args:
         x: ``[B, H, T, D]``.
