@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
+from .fileio import atomic_write_text
 from .memory import cache_nbytes
 from .schemes import make_cache
 
@@ -80,9 +80,5 @@ def format_memory_table(rows: list[MemoryRow]) -> str:
     return "\n".join(lines)
 
 
-def save_rows(rows: list[MemoryRow], path: str | Path, meta: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-    tmp.replace(path)
+def save_rows(rows: list[MemoryRow], path, meta: dict) -> None:
+    atomic_write_text(path, json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))

@@ -24,7 +24,7 @@ def _load(args):
     from .models import load_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    return load_model(args.model, dtype=dtype, device=args.device)
+    return load_model(args.model, dtype=dtype, device=args.device, device_map=getattr(args, "device_map", None))
 
 
 def _cmd_demo(args) -> int:
@@ -50,6 +50,47 @@ def _cmd_memory(args) -> int:
     return 0
 
 
+def _cmd_calibrate(args) -> int:
+    import json
+    import time
+
+    from .calibrate import bucket_report, calibrate_model, format_report, scales_from_stats
+    from .data import load_texts, pack_samples
+    from .fileio import atomic_write_text
+
+    if args.statistic == "percentile" and not 0 < args.percentile < 100:
+        raise ValueError(f"--percentile must be in (0, 100), got {args.percentile}")
+    if args.chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    texts = load_texts(args.data, split=args.split, text_column=args.text_column)  # fail before loading a model
+    model, tokenizer = _load(args)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and args.seq_len > limit:
+        print(f"warning: --seq-len {args.seq_len} exceeds the model's max_position_embeddings {limit}",
+              file=sys.stderr)
+    samples = pack_samples(texts, tokenizer, args.seq_len, args.num_samples)
+    top_k = 0
+    if args.statistic == "percentile":  # rows above the percentile, per channel, plus the percentile row
+        top_k = int((1 - args.percentile / 100) * args.seq_len * args.num_samples) + 2
+    start = time.perf_counter()
+    stats = calibrate_model(model, samples, chunk_size=args.chunk_size, top_k=top_k, progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    meta = {"model_id": args.model, "data": args.data, "num_samples": len(samples),
+            "sample_lengths": json.dumps([int(s.shape[-1]) for s in samples]), "chunk_size": args.chunk_size,
+            "dtype": args.dtype}
+    scales = scales_from_stats(stats, model.config, statistic=args.statistic, percentile=args.percentile,
+                               metadata=meta)
+    out = scales.save(args.out)
+    report = bucket_report(stats)
+    report_path = out.with_name(out.stem + ".report.json")
+    atomic_write_text(report_path, json.dumps({"meta": meta, **report}, indent=2))
+    print(format_report(report))
+    k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
+    print(f"\nwrote {out} ({len(scales.k_channel_absmax)} layers, {len(samples)} x {args.seq_len} tokens, "
+          f"{args.statistic}, {seconds:.0f} s; largest K range {k_max:.2f}) and {report_path}")
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     from .models import DEFAULT_MODEL
 
@@ -57,6 +98,7 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
                    help=f"HF model id, local folder or .gguf file (default: the embedded {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--device-map", default=None, help="accelerate device_map, e.g. auto (overrides --device)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7, help="prompt seed (default 7)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("calibrate", help="record K/V ranges on long samples into a kv_scales.safetensors file")
+    _add_model_args(p)
+    p.add_argument("--data", required=True,
+                   help="local .txt/.jsonl/.parquet file or folder, or a `datasets` name")
+    p.add_argument("--split", default="train", help="dataset split (datasets names only; default train)")
+    p.add_argument("--text-column", default="text", help="text field of .jsonl/.parquet/datasets (default text)")
+    p.add_argument("--seq-len", type=int, default=8192,
+                   help="sample length in tokens: use your production context length (default 8192)")
+    p.add_argument("--num-samples", type=int, default=4, help="number of packed samples (default 4)")
+    p.add_argument("--chunk-size", type=int, default=2048, help="chunked-prefill size (default 2048)")
+    p.add_argument("--statistic", default="absmax", choices=["absmax", "percentile"], help="K range statistic")
+    p.add_argument("--percentile", type=float, default=99.99, help="for --statistic percentile (default 99.99)")
+    p.add_argument("--out", default="kv_scales.safetensors", help="output file (default kv_scales.safetensors)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("memory", help="real KV bytes after a prefill, per cache scheme, vs DynamicCache")
     _add_model_args(p, dtype="bfloat16")
