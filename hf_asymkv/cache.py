@@ -143,8 +143,9 @@ class AsymKVCache(Cache):
 
         layer_types = _layer_types(text_config)
         if not any(t == "full_attention" or t in _SLIDING_TYPES for t in layer_types):
+            declared = getattr(text_config, "layer_types", None) or layer_types
             raise ValueError(
-                f"config {type(config).__name__} has no attention layers (layer types {sorted(set(layer_types))}); "
+                f"config {type(config).__name__} has no attention layers (layer types {sorted(set(declared))}); "
                 "AsymKVCache needs at least one full or sliding attention layer."
             )
         # Group sizes must divide the head_dim of every layer that quantizes (the full-attention ones).

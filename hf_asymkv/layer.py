@@ -127,9 +127,11 @@ class AsymKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self._head_dim = head_dim = key_states.shape[-1]
+        # V may be narrower than K (e.g. MLA caches a latent as K and the rope part as V).
+        self._v_head_dim = v_head_dim = value_states.shape[-1]
         # Fail here, with the shapes at hand, rather than deep inside a reshape.
         self.key_spec.groups(head_dim, self.block_size), self.key_spec.packed_dim(head_dim)
-        self.value_spec.groups(head_dim, self.block_size), self.value_spec.packed_dim(head_dim)
+        self.value_spec.groups(v_head_dim, self.block_size), self.value_spec.packed_dim(v_head_dim)
         if self.key_absmax is not None:
             expected = (key_states.shape[1], head_dim)
             if tuple(self.key_absmax.shape) != expected:
@@ -148,25 +150,28 @@ class AsymKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
-        self.cumulative_length += n
         # 1. Sinks take the very first tokens.
         take = min(n, self.sink_tokens - self._sink_k.length) if self._kq.length + self._win_k.length == 0 else 0
-        if take > 0:
-            self._sink_k.append(key_states[:, :, :take], 1.0)
-            self._sink_v.append(value_states[:, :, :take], 1.0)
-            key_states, value_states = key_states[:, :, take:], value_states[:, :, take:]
-        # 2. The rest joins the window; whole aged-out blocks move to the quantized region.
+        sink_k, sink_v = key_states[:, :, :take], value_states[:, :, :take]
+        key_states, value_states = key_states[:, :, take:], value_states[:, :, take:]
+        # 2. The rest joins the window; whole aged-out blocks move to the quantized region. Quantizing comes
+        # first: with a calibrated range and overflow_policy="error" it raises, and must leave the layer as it was.
         nq_before = self._kq.length
         total = self._win_k.length + key_states.shape[-2]
         n_flush = max(0, (total - self.residual_length) // self.block_size) * self.block_size
+        if n_flush:
+            tail_k = self._joined(self._win_k, key_states)
+            tail_v = self._joined(self._win_v, value_states)
+            self._quantize_append(tail_k[:, :, :n_flush], tail_v[:, :, :n_flush])
+        self.cumulative_length += n
+        if take > 0:
+            self._sink_k.append(sink_k, 1.0)
+            self._sink_v.append(sink_v, 1.0)
         if n_flush == 0:
             self._win_k.append(key_states, self.growth_factor)
             self._win_v.append(value_states, self.growth_factor)
             tail_k, tail_v = self._win_k.live, self._win_v.live
         else:
-            tail_k = self._joined(self._win_k, key_states)
-            tail_v = self._joined(self._win_v, value_states)
-            self._quantize_append(tail_k[:, :, :n_flush], tail_v[:, :, :n_flush])
             self._win_k.truncate(0), self._win_v.truncate(0)
             self._win_k.append(tail_k[:, :, n_flush:], self.growth_factor)
             self._win_v.append(tail_v[:, :, n_flush:], self.growth_factor)
@@ -236,10 +241,12 @@ class AsymKVLayer(CacheLayerMixin):
         return dict(out)
 
     def dense_elements(self) -> int:
-        """Elements K and V would hold in full precision: ``2 * B * H * seq_len * D``."""
+        """Elements K and V would hold in full precision: ``B * H * seq_len * (D_k + D_v)`` (``2 * B * H * seq_len
+        * D`` in the usual case of equal widths)."""
         for buf in self._buffers().values():
             if buf.data is not None:
-                return 2 * buf.data.shape[0] * buf.data.shape[1] * self.cumulative_length * self._head_dim
+                width = self._head_dim + self._v_head_dim
+                return buf.data.shape[0] * buf.data.shape[1] * self.cumulative_length * width
         return 0
 
     # ------------------------------------------------------------------ internals
@@ -322,27 +329,29 @@ class AsymKVLayer(CacheLayerMixin):
 
     def _uncommit_tail(self, keep_q: int) -> None:
         """Keep ``keep_q`` quantized tokens; whole blocks stay, a partial block's tokens go back to the window."""
-        bs, d = self.block_size, self._kq.data.shape[-1] if self._kq.data is not None else 0
+        bs = self.block_size
         whole = keep_q // bs * bs
         partial = keep_q - whole
         self._truncate(self._win_k, self._win_v, 0)
         if partial:
-            last_k, last_v = (self._dense_block(*bufs, spec, whole) for bufs, spec in (
-                ((self._kq, self._ks, self._kz), self.key_spec), ((self._vq, self._vs, self._vz), self.value_spec)))
+            last_k, last_v = (self._dense_block(*bufs, spec, whole, dim) for bufs, spec, dim in (
+                ((self._kq, self._ks, self._kz), self.key_spec, self._head_dim),
+                ((self._vq, self._vs, self._vz), self.value_spec, self._v_head_dim)))
             self._win_k.append(last_k[:, :, :partial], self.growth_factor)
             self._win_v.append(last_v[:, :, :partial], self.growth_factor)
             self.stats["requantized_tokens"] += partial
-        for (codes, scales, zeros), spec in (((self._kq, self._ks, self._kz), self.key_spec),
-                                             ((self._vq, self._vs, self._vz), self.value_spec)):
-            rows = whole // spec.groups(self._head_dim, bs)[0]
+        for (codes, scales, zeros), spec, dim in (((self._kq, self._ks, self._kz), self.key_spec, self._head_dim),
+                                                  ((self._vq, self._vs, self._vz), self.value_spec, self._v_head_dim)):
+            rows = whole // spec.groups(dim, bs)[0]
             codes.truncate(whole)
             scales.truncate(rows)
             zeros.truncate(rows if zeros.length else 0)
 
-    def _dense_block(self, codes: _Buffer, scales: _Buffer, zeros: _Buffer, spec: QuantSpec, start: int) -> torch.Tensor:
-        """Dequantize the block starting at token ``start``: ``[B, H, block_size, D]``."""
+    def _dense_block(self, codes: _Buffer, scales: _Buffer, zeros: _Buffer, spec: QuantSpec, start: int,
+                     head_dim: int) -> torch.Tensor:
+        """Dequantize the block starting at token ``start``: ``[B, H, block_size, head_dim]``."""
         bs = self.block_size
-        tg = spec.groups(self._head_dim, bs)[0]
+        tg = spec.groups(head_dim, bs)[0]
         r0, r1 = start // tg, (start + bs) // tg
         z = zeros.live[:, :, r0:r1] if zeros.length else None
         return dequantize(codes.live[:, :, start : start + bs], scales.live[:, :, r0:r1], z, spec, bs, dtype=self.dtype)

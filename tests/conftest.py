@@ -1,0 +1,160 @@
+"""Shared fixtures: tiny random models built from configs (never downloaded) and seeded prompts.
+
+Random tiny models have nearly uniform logits, so the comparisons built on these fixtures use long prompts
+(64 tokens), generate 20-32 tokens, compare against ``DynamicCache(config=...)`` on the same model and inputs,
+and, where the cache is exact, compare the logits bit for bit rather than only the argmax tokens.
+``initializer_range=0.1`` (and untied embeddings for Gemma3, whose tied embeddings make a random model repeat
+its last token) keep greedy continuations varied.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+VOCAB = 256
+PROMPT_LEN = 64
+SLIDING_WINDOW = 16
+# Token ids below this are specials in the configs below (pad 0, bos/eos 1-2): prompts avoid them.
+FIRST_PLAIN_TOKEN = 3
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+)
+
+
+def _build(model_cls, config, seed: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+    # Fixed-length outputs: a random model may emit its eos id at any step.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.requires_grad_(False)
+    return model
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(num_hidden_layers=2, **_COMMON)
+
+
+def hybrid_config() -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        num_hidden_layers=4,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        **_COMMON,
+    )
+
+
+def shared_kv_config() -> Gemma4TextConfig:
+    """Gemma4 text: heterogeneous per-layer head_dim (full-attention layers use ``global_head_dim``) and KV sharing
+    (the last two layers reuse the KV of earlier ones, so they hold no cache: transformers gives them a
+    ``DummyLayer``)."""
+    return Gemma4TextConfig(
+        num_hidden_layers=4,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        global_head_dim=32,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        tie_word_embeddings=False,
+        **_COMMON,
+    )
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test on one intra-op thread. These tensors are tiny: two threads only add synchronization, and on a
+    busy machine OpenMP spin-waiting makes tiny-model tests ~20x slower. Restored afterwards, so other test
+    modules keep their setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    """Tiny random Llama: 2 full-attention layers, GQA 4/2 heads, head_dim 16."""
+    return _build(LlamaForCausalLM, llama_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def llama_assistant(llama):
+    """Draft model for assisted decoding: the tiny Llama with perturbed weights, so it agrees with the Llama on
+    some tokens and not others (and never with the Gemma3 model). It always drafts 12 tokens (constant schedule,
+    no confidence cut-off): rejected drafts make `generate` crop up to 12 tokens, deep into a small window."""
+    assistant = copy.deepcopy(llama)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in assistant.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.03)
+    assistant.generation_config.num_assistant_tokens = 12
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
+@pytest.fixture(scope="session")
+def hybrid():
+    """Tiny random Gemma3 text model alternating sliding (window 16) and full attention layers."""
+    return _build(Gemma3ForCausalLM, hybrid_config(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def shared_kv():
+    """Tiny random Gemma4 text model with KV-sharing consumer layers (no KV of their own)."""
+    return _build(Gemma4ForCausalLM, shared_kv_config(), seed=0)
+
+
+@pytest.fixture(params=["llama", "hybrid"])
+def model(request):
+    """Each of the two main tiny models, by name."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def prompt() -> torch.LongTensor:
+    """``[1, 64]`` seeded prompt of plain tokens."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (1, PROMPT_LEN), generator=g)
+
+
+@pytest.fixture(scope="session")
+def batch3() -> torch.LongTensor:
+    """``[3, 64]`` seeded prompts of plain tokens."""
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (3, PROMPT_LEN), generator=g)
+
+
+@pytest.fixture(scope="session")
+def padded_batch() -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Left-padded batch of prompts of 64 and 41 tokens: ``(input_ids, attention_mask)``, pad id 0."""
+    g = torch.Generator().manual_seed(4321)
+    lengths = (PROMPT_LEN, 41)
+    ids = torch.zeros(len(lengths), PROMPT_LEN, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, PROMPT_LEN - n :] = torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (n,), generator=g)
+        mask[row, PROMPT_LEN - n :] = 1
+    return ids, mask
