@@ -1,7 +1,7 @@
 """KV memory measurement: real cache bytes after a prefill (and after some decode steps), per scheme.
 
-All schemes run on the same model and the same token ids in one process; ratios are against
-``DynamicCache`` in the model's dtype (bf16 by default), so the numbers compare like with like.
+All schemes store the same K/V tensors (recorded once from the model) in one process; ratios are against
+``DynamicCache`` in the same storage dtype (bf16 by default), so the numbers compare like with like.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .fileio import atomic_write_text
+from transformers.cache_utils import DynamicCache
+
 from .memory import cache_nbytes
 from .schemes import make_cache
 
@@ -29,26 +31,47 @@ class MemoryRow:
 
 
 @torch.no_grad()
-def _run(model, input_ids: torch.Tensor, cache, decode_tokens: int) -> tuple[int, int]:
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    prefill = cache_nbytes(cache)
-    token = out.logits[:, -1:].argmax(-1)
-    for _ in range(decode_tokens):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-    return prefill, cache_nbytes(cache)
+def record_kv(model, input_ids: torch.Tensor, chunk_size: int = 1024) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer post-RoPE K/V ``[B, kv_heads, T, head_dim]`` of a chunked prefill (full history, every layer)."""
+    cache = DynamicCache()  # no config: sliding layers keep their whole history too, so any cache can replay it
+    for start in range(0, input_ids.shape[-1], chunk_size):
+        model(input_ids=input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def replay_bytes(cache, kv: list[tuple[torch.Tensor, torch.Tensor]], prefill: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Store ``kv`` in ``cache`` as ``generate`` would (one prefill update, then one token per step).
+
+    Returns:
+        ``(bytes after the prefill, bytes after the remaining tokens)``, real tensor bytes.
+    """
+    total = kv[0][0].shape[2]
+    for i, (k, v) in enumerate(kv):
+        cache.update(k[:, :, :prefill].to(dtype), v[:, :, :prefill].to(dtype), i)
+    after_prefill = cache_nbytes(cache)
+    for t in range(prefill, total):
+        for i, (k, v) in enumerate(kv):
+            cache.update(k[:, :, t : t + 1].to(dtype), v[:, :, t : t + 1].to(dtype), i)
+    return after_prefill, cache_nbytes(cache)
 
 
 def measure_kv_memory(
-    model, schemes: list[str], lengths: list[int], *, decode_tokens: int = 0, seed: int = 0
+    model, schemes: list[str], lengths: list[int], *, decode_tokens: int = 0, dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
 ) -> list[MemoryRow]:
-    """Prefill ``length`` random tokens per scheme and count the cache's real tensor bytes.
+    """Real KV bytes per scheme after a ``length``-token prefill stored in ``dtype``, then ``decode_tokens`` steps.
+
+    The model's K/V are computed once per length (in the model's own dtype, e.g. fp32, which is fast on a
+    CPU) and replayed into every scheme's cache in ``dtype``: the bytes a cache holds depend on the shapes and
+    the storage dtype, not on rounding of the values, and every scheme stores exactly the same tensors.
 
     Args:
-        model: a causal LM (its dtype is the dtype compared).
+        model: a causal LM.
         schemes: names from :mod:`hf_asymkv.schemes`; ``"dynamic"`` is added first if missing.
         lengths: prefill lengths.
-        decode_tokens: greedy steps after the prefill, to show steady-state bytes (capacity included).
+        decode_tokens: single-token updates after the prefill (steady state, capacity included).
+        dtype: storage dtype the caches receive (bf16: the comparison the README quotes).
 
     Returns:
         One row per (scheme, length), with ``ratio_vs_dynamic`` filled in.
@@ -57,12 +80,14 @@ def measure_kv_memory(
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for length in lengths:
-        ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(model.device)
+        ids = torch.randint(0, model.config.vocab_size, (1, length + decode_tokens), generator=gen).to(model.device)
+        kv = record_kv(model, ids)
         base = None
         for name in schemes:
-            prefill, decoded = _run(model, ids, make_cache(name, model.config), decode_tokens)
-            base = prefill if base is None else base
-            rows.append(MemoryRow(name, length, prefill, decoded, decode_tokens, base / prefill))
+            prefill_bytes, decoded = replay_bytes(make_cache(name, model.config), kv, length, dtype)
+            base = prefill_bytes if base is None else base
+            rows.append(MemoryRow(name, length, prefill_bytes, decoded, decode_tokens, base / prefill_bytes))
+        del kv
     return rows
 
 

@@ -10,6 +10,7 @@ decision lives in the layer.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 
 import torch
@@ -23,6 +24,7 @@ except ImportError:  # pragma: no cover
 
 from .layer import OVERFLOW_POLICIES, AsymKVLayer
 from .quant import FORMATS, GRANULARITIES, QuantSpec
+from .scales import KVScales
 
 __all__ = ["AsymKVCache", "KEY_FORMATS", "VALUE_BITS"]
 
@@ -97,10 +99,15 @@ class AsymKVCache(Cache):
         key_group_size: channels per K scale for ``key_granularity="token"`` (default head_dim).
         value_granularity: ``"token"`` (default), ``"channel"`` or ``"tensor"`` (baselines).
         value_symmetric: symmetric V codes (baseline K4V4 "symmetric"); default asymmetric.
-        key_absmax: calibrated per-layer K ranges, ``{layer_idx: Tensor[kv_heads, head_dim]}``.
+        scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`~hf_asymkv.scales.KVScales`
+            (validated against ``config``). Full-attention layers then use the calibrated per-channel K scale
+            for every block, except where a key exceeds it (``overflow_policy``).
+        key_absmax: calibrated per-layer K ranges as tensors, ``{layer_idx: Tensor[kv_heads, head_dim]}``
+            (what ``scales`` provides; give one or the other).
         overflow_policy: what a calibrated layer does with a key beyond its range: one of
             :data:`~hf_asymkv.layer.OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the code buffers (> 1; amortized O(1) appends).
+        max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
 
     Example::
 
@@ -123,9 +130,11 @@ class AsymKVCache(Cache):
         key_group_size: int | None = None,
         value_granularity: str = "token",
         value_symmetric: bool = False,
+        scales: str | os.PathLike | KVScales | None = None,
         key_absmax: dict[int, torch.Tensor] | None = None,
         overflow_policy: str = "widen",
         growth_factor: float = 1.25,
+        max_growth_tokens: int = 1024,
     ):
         if not isinstance(config, PreTrainedConfig):
             raise ValueError(f"config must be a transformers PreTrainedConfig (model.config), got {type(config).__name__}.")
@@ -138,8 +147,18 @@ class AsymKVCache(Cache):
         _positive_int("key_block_size", key_block_size)
         _positive_int("residual_length", residual_length, 0)
         _positive_int("sink_tokens", sink_tokens, 0)
+        _positive_int("max_growth_tokens", max_growth_tokens)
         if not (isinstance(growth_factor, (int, float)) and growth_factor > 1):
             raise ValueError(f"growth_factor must be a number > 1, got {growth_factor!r}.")
+        if scales is not None:
+            if key_absmax is not None:
+                raise ValueError("give calibrated ranges as scales= or as key_absmax=, not both.")
+            self.scales = scales if isinstance(scales, KVScales) else KVScales.load(scales, config)
+            if isinstance(scales, KVScales):
+                scales.validate(config)
+            key_absmax = dict(self.scales.k_channel_absmax)
+        else:
+            self.scales = None
 
         layer_types = _layer_types(text_config)
         if not any(t == "full_attention" or t in _SLIDING_TYPES for t in layer_types):
@@ -169,7 +188,10 @@ class AsymKVCache(Cache):
         if key_absmax is not None:
             if key_granularity != "channel":
                 raise ValueError(f"calibrated key ranges need key_granularity='channel', got {key_granularity!r}.")
-            bad = sorted(set(key_absmax) - {i for i, t in enumerate(layer_types) if t == "full_attention"})
+            full = {i for i, t in enumerate(layer_types) if t == "full_attention"}
+            if scales is not None:  # a scales file covers every layer with KV; we use the full-attention ones
+                key_absmax = {i: k for i, k in key_absmax.items() if i in full}
+            bad = sorted(set(key_absmax) - full)
             if bad:
                 raise ValueError(f"calibrated key ranges given for layers {bad}, which are not full-attention layers.")
         self.settings = dict(
@@ -177,6 +199,7 @@ class AsymKVCache(Cache):
             key_block_size=key_block_size, residual_length=residual_length, sink_tokens=sink_tokens,
             key_granularity=key_granularity, key_group_size=key_group_size, value_granularity=value_granularity,
             value_symmetric=value_symmetric, overflow_policy=overflow_policy, growth_factor=growth_factor,
+            max_growth_tokens=max_growth_tokens,
         )  # fmt: skip
         layers = self._build_layers(text_config, layer_types, key_absmax or {})
         super().__init__(layers=layers)
@@ -193,7 +216,8 @@ class AsymKVCache(Cache):
                 layers.append(AsymKVLayer(
                     self.key_spec, self.value_spec, block_size=s["key_block_size"],
                     residual_length=s["residual_length"], sink_tokens=s["sink_tokens"],
-                    growth_factor=s["growth_factor"], key_absmax=key_absmax.get(i),
+                    growth_factor=s["growth_factor"], max_growth_tokens=s["max_growth_tokens"],
+                    key_absmax=key_absmax.get(i),
                     overflow_policy=s["overflow_policy"],
                 ))  # fmt: skip
             elif fallback[i] is not None:

@@ -42,11 +42,15 @@ def _cmd_demo(args) -> int:
 def _cmd_memory(args) -> int:
     from .bench import format_memory_table, measure_kv_memory, save_rows
 
+    import torch
+
     model, _ = _load(args)
-    rows = measure_kv_memory(model, args.schemes.split(","), args.lengths, decode_tokens=args.decode_tokens)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.kv_dtype]
+    rows = measure_kv_memory(model, args.schemes.split(","), args.lengths, decode_tokens=args.decode_tokens,
+                             dtype=dtype)
     print(format_memory_table(rows))
     if args.out:
-        save_rows(rows, args.out, {"model": args.model, "dtype": args.dtype, "command": " ".join(sys.argv)})
+        save_rows(rows, args.out, {"model": args.model, "kv_dtype": args.kv_dtype, "command": " ".join(sys.argv)})
     return 0
 
 
@@ -130,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("memory", help="real KV bytes after a prefill, per cache scheme, vs DynamicCache")
-    _add_model_args(p, dtype="bfloat16")
+    _add_model_args(p)
+    p.add_argument("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the caches store (default bfloat16)")
     p.add_argument("--lengths", type=_int_list, default=[4096], help="prefill lengths, e.g. 1024,4096")
     p.add_argument("--schemes", default="dynamic,asymkv,hf-quanto-int4,hf-fp8", help="comma-separated scheme names")
     p.add_argument("--decode-tokens", type=int, default=0, help="greedy steps after the prefill (default 0)")

@@ -7,8 +7,12 @@ Token order inside a layer::
 
 New tokens enter the window. When the window holds at least ``residual_length + block_size`` tokens, every
 whole block of ``block_size`` tokens that has aged out of the newest ``residual_length`` is quantized *once*
-and appended to the code buffers; a closed block is never re-quantized. Buffers grow geometrically, so the
-cost of growing is amortized O(1) per token.
+and appended to the code buffers; a closed block is never re-quantized.
+
+Code buffers grow geometrically (x ``growth_factor``) but by at most ``max_growth_tokens`` at a time: small
+caches get amortized O(1) appends, long ones keep unused capacity to a few percent of real memory. The copy
+on growth costs O(n / max_growth_tokens) per token amortized, far below the O(n) per step that reading the
+cache back costs anyway.
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ class _Buffer:
     def live(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
 
-    def append(self, x: torch.Tensor, growth: float, multiple: int = 1) -> None:
-        """Append ``x`` (``[B, H, n, ...]``), growing capacity by ``growth`` (rounded up to ``multiple``)."""
+    def append(self, x: torch.Tensor, growth: float, multiple: int = 1, max_step: int | None = None) -> None:
+        """Append ``x`` (``[B, H, n, ...]``).
+
+        When full, capacity grows by ``growth`` x, by at most ``max_step`` rows, rounded up to ``multiple``.
+        """
         needed = self.length + x.shape[2]
         if self.data is None or needed > self.data.shape[2]:
             cap = 0 if self.data is None else self.data.shape[2]
-            new_cap = max(needed, math.ceil(cap * growth))
+            step = math.ceil(cap * (growth - 1))
+            new_cap = max(needed, cap + (step if max_step is None else min(step, max_step)))
             new_cap = -(-new_cap // multiple) * multiple
             new = x.new_empty(*x.shape[:2], new_cap, *x.shape[3:])
             if self.length:
@@ -76,6 +84,7 @@ class AsymKVLayer(CacheLayerMixin):
         residual_length: newest tokens always kept exact.
         sink_tokens: first tokens always kept exact.
         growth_factor: capacity multiplier when a buffer is full (> 1).
+        max_growth_tokens: the most tokens of capacity one growth adds.
         key_absmax: optional calibrated K range ``[kv_heads, head_dim]`` (post-RoPE absmax). With it, every
             block uses the calibrated scale unless a value exceeds it, then ``overflow_policy`` applies.
         overflow_policy: ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate,
@@ -95,13 +104,14 @@ class AsymKVLayer(CacheLayerMixin):
         residual_length: int = 128,
         sink_tokens: int = 0,
         growth_factor: float = 1.25,
+        max_growth_tokens: int = 1024,
         key_absmax: torch.Tensor | None = None,
         overflow_policy: str = "widen",
     ):
         super().__init__()
         self.key_spec, self.value_spec = key_spec, value_spec
         self.block_size, self.residual_length, self.sink_tokens = block_size, residual_length, sink_tokens
-        self.growth_factor = growth_factor
+        self.growth_factor, self.max_growth_tokens = growth_factor, max_growth_tokens
         self.key_absmax = key_absmax
         self.overflow_policy = overflow_policy
         self.stats: Counter = Counter()
@@ -263,11 +273,12 @@ class AsymKVLayer(CacheLayerMixin):
         if k_scale is None:
             k_scale, k_zero = compute_scale_zero(k, self.key_spec, bs)
         v_scale, v_zero = compute_scale_zero(v, self.value_spec, bs)
-        self._kq.append(quantize(k, k_scale, k_zero, self.key_spec, bs), self.growth_factor, bs)
-        self._vq.append(quantize(v, v_scale, v_zero, self.value_spec, bs), self.growth_factor, bs)
+        step = max(bs, self.max_growth_tokens // bs * bs)
+        self._kq.append(quantize(k, k_scale, k_zero, self.key_spec, bs), self.growth_factor, bs, step)
+        self._vq.append(quantize(v, v_scale, v_zero, self.value_spec, bs), self.growth_factor, bs, step)
         for buf, t in ((self._ks, k_scale), (self._kz, k_zero), (self._vs, v_scale), (self._vz, v_zero)):
-            if t is not None:
-                buf.append(t, self.growth_factor)
+            if t is not None:  # scale rows per token: 1 / token_group
+                buf.append(t, self.growth_factor, 1, max(1, step * t.shape[2] // k.shape[2]))
         self.stats["tokens_quantized"] += k.shape[2]
         self.stats["blocks_quantized"] += k.shape[2] // bs
         self.stats["flushes"] += 1

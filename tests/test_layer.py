@@ -188,9 +188,9 @@ def test_buffers_grow_geometrically(monkeypatch):
     reallocations: dict[int, int] = {}
     append = _Buffer.append
 
-    def counting_append(self, x, growth, multiple=1):
+    def counting_append(self, x, *args):
         before = self.data
-        append(self, x, growth, multiple)
+        append(self, x, *args)
         if self.data is not before:
             reallocations[id(self)] = reallocations.get(id(self), 0) + 1
 
@@ -208,6 +208,19 @@ def test_buffers_grow_geometrically(monkeypatch):
     for name, buf in layer._buffers().items():
         if buf.data is not None:
             assert buf.data.shape[2] <= math.ceil(max(buf.length, 16) * 1.25) + 8, name
+
+
+def test_growth_is_capped_by_max_growth_tokens():
+    """Long caches grow by at most ``max_growth_tokens`` at a time, so unused capacity stays bounded."""
+    layer = make_layer(growth_factor=2.0, max_growth_tokens=32)
+    n = 600
+    k, v = kv(n, batch=1)
+    feed(layer, k, v, [1] * n)
+    for name in ("key_codes", "value_codes"):
+        buf = layer._buffers()[name]
+        assert buf.data.shape[2] - buf.length <= 32, (name, buf.data.shape[2], buf.length)
+    scales = layer._buffers()["value_scales"]  # one row per token
+    assert scales.data.shape[2] - scales.length <= 32
 
 
 # ------------------------------------------------------------------------------------------------ crop
