@@ -301,7 +301,7 @@ def write_readme(out: Path) -> None:
     for path in sorted(out.glob("*.json")):
         data = json.loads(path.read_text())
         m = data["meta"]
-        commands.append(m["command"])
+        commands.append(m["command"].strip())
         parts += [
             f"## {m['name']}\n",
             f"{m['model_class']}, {len(data['per_layer'])} quantized (full-attention) layers of {m['n_layers']}, "
@@ -360,7 +360,7 @@ def main() -> None:
         "prompt_format": "chat template" if tokenizer.chat_template else "plain completion prompt (no chat template)",
         "check_prefill_len": args.check_prefill, "check_prefill_max_abs_diff": diff,
         "threads": args.threads, "seconds": time.time() - t0,
-        "command": "python scripts/key_format.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python scripts/key_format.py", *sys.argv[1:]]),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
     }
     data = {"meta": meta, "summary": summary, "per_layer": per_layer, "rows": rows}
