@@ -134,7 +134,7 @@ class AsymKVCache(Cache):
         key_absmax: dict[int, torch.Tensor] | None = None,
         overflow_policy: str = "widen",
         growth_factor: float = 1.25,
-        max_growth_tokens: int = 1024,
+        max_growth_tokens: int = 256,
     ):
         if not isinstance(config, PreTrainedConfig):
             raise ValueError(f"config must be a transformers PreTrainedConfig (model.config), got {type(config).__name__}.")

@@ -104,7 +104,7 @@ class AsymKVLayer(CacheLayerMixin):
         residual_length: int = 128,
         sink_tokens: int = 0,
         growth_factor: float = 1.25,
-        max_growth_tokens: int = 1024,
+        max_growth_tokens: int = 256,
         key_absmax: torch.Tensor | None = None,
         overflow_policy: str = "widen",
     ):

@@ -27,7 +27,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -63,52 +62,20 @@ def model_name(model: str) -> str:
     return p.name.lower() if p.exists() else model.replace("/", "--").lower()
 
 
-def encode(tokenizer, prompt) -> torch.Tensor:
-    """Prompt ids: the chat template when the tokenizer has one, else a plain completion prompt (base models)."""
-    if tokenizer.chat_template:
-        enc = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
-        return enc["input_ids"]
-    text = prompt.messages[0]["content"] + f"\nAnswer: The access code for the {prompt.key} is"
-    return tokenizer(text, return_tensors="pt")["input_ids"]
-
-
 def full_attention_layers(cache) -> list[int]:
     from hf_asymkv import AsymKVLayer
 
     return [i for i, layer in enumerate(cache.layers) if isinstance(layer, AsymKVLayer)]
 
 
-def asym_from_prefix(config, fmt: str, dyn, q_layers: list[int]):
+def asym_from_prefix(config, fmt: str, dyn):
     """An AsymKVCache in the state a real prefill of the same prefix leaves it in (see module docstring)."""
     from hf_asymkv import AsymKVCache
+    from hf_asymkv.evaluate import cache_from_prefix
 
     cache = AsymKVCache(config, key_format=fmt, value_bits=VALUE_BITS, key_block_size=BLOCK,
                         residual_length=RESIDUAL)
-    for i, layer in enumerate(cache.layers):
-        if i in q_layers:
-            layer.update(dyn.layers[i].keys, dyn.layers[i].values)
-        else:
-            cache.layers[i] = copy.deepcopy(dyn.layers[i])
-    return cache
-
-
-@torch.no_grad()
-def tail_and_decode(model, cache, tail_ids: torch.Tensor, eos: set[int]) -> tuple[torch.Tensor, list[int]]:
-    """Second forward call (the tail, all logits), then greedy decoding of up to MAX_NEW tokens."""
-    logits = model(input_ids=tail_ids, past_key_values=cache, use_cache=True).logits[0].float()
-    tokens = [int(logits[-1].argmax())]
-    while len(tokens) < MAX_NEW and tokens[-1] not in eos:
-        step = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True,
-                     logits_to_keep=1).logits
-        tokens.append(int(step[0, -1].argmax()))
-    return logits, tokens
-
-
-def kl_top1(ref: torch.Tensor, q: torch.Tensor) -> tuple[list[float], float]:
-    lp, lq = ref.log_softmax(-1), q.log_softmax(-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return kl.tolist(), float((ref.argmax(-1) == q.argmax(-1)).float().mean())
+    return cache_from_prefix(cache, dyn)
 
 
 def key_stats(keys: torch.Tensor) -> dict:
@@ -145,10 +112,11 @@ def sqnr(signal: float, noise: float) -> float:
 def check_prefill(model, tokenizer, length: int) -> float:
     """Max |logit| difference between the shared-prefill shortcut and a real two-call AsymKVCache run."""
     from hf_asymkv import AsymKVCache
+    from hf_asymkv.evaluate import encode_prompt
     from hf_asymkv.tasks import make_needle_prompt
     from transformers import DynamicCache
 
-    ids = encode(tokenizer, make_needle_prompt(tokenizer, length, 0.5, seed=99))
+    ids = encode_prompt(tokenizer, make_needle_prompt(tokenizer, length, 0.5, seed=99))
     head, tail = ids[:, :-TAIL], ids[:, -TAIL:]
     real = AsymKVCache(model.config, key_format=FORMATS[0], value_bits=VALUE_BITS, key_block_size=BLOCK,
                        residual_length=RESIDUAL)
@@ -156,7 +124,7 @@ def check_prefill(model, tokenizer, length: int) -> float:
     real_logits = model(input_ids=tail, past_key_values=real, use_cache=True).logits
     dyn = DynamicCache(config=model.config)
     model(input_ids=head, past_key_values=dyn, use_cache=True, logits_to_keep=1)
-    sim = asym_from_prefix(model.config, FORMATS[0], dyn, full_attention_layers(real))
+    sim = asym_from_prefix(model.config, FORMATS[0], dyn)
     sim_logits = model(input_ids=tail, past_key_values=sim, use_cache=True).logits
     assert real.stats() == sim.stats(), (real.stats(), sim.stats())
     return float((real_logits - sim_logits).abs().max())
@@ -165,23 +133,22 @@ def check_prefill(model, tokenizer, length: int) -> float:
 @torch.no_grad()
 def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict], dict[int, dict]]:
     from hf_asymkv import AsymKVCache
+    from hf_asymkv.evaluate import encode_prompt, kl_top1, tail_and_decode
     from hf_asymkv.tasks import make_needle_prompt, score_answer
     from transformers import DynamicCache
 
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     q_layers = full_attention_layers(AsymKVCache(model.config))
     rows, layer_acc = [], {}
     for length in lengths:
         for s in range(samples):
             t0 = time.time()
             prompt = make_needle_prompt(tokenizer, length, depth=(s + 0.5) / samples, seed=s)
-            ids = encode(tokenizer, prompt)
+            ids = encode_prompt(tokenizer, prompt)
             head, tail = ids[:, :-TAIL], ids[:, -TAIL:]
             dyn = DynamicCache(config=model.config)
             model(input_ids=head, past_key_values=dyn, use_cache=True, logits_to_keep=1)
-            caches = {fmt: asym_from_prefix(model.config, fmt, dyn, q_layers) for fmt in FORMATS}
-            ref_logits, ref_tokens = tail_and_decode(model, dyn, tail, eos)  # dyn now holds the whole prompt
+            caches = {fmt: asym_from_prefix(model.config, fmt, dyn) for fmt in FORMATS}
+            ref_logits, ref_tokens = tail_and_decode(model, dyn, tail, MAX_NEW)  # dyn now holds the whole prompt
             n = ids.shape[1] // BLOCK * BLOCK
             for i in q_layers:
                 st = key_stats(dyn.layers[i].keys[:, :, :n])
@@ -197,7 +164,7 @@ def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict],
                    "expected": prompt.answer,
                    "dynamic": {"answer": answer, "correct": score_answer(answer, prompt.answer)}}
             for fmt, cache in caches.items():
-                logits, tokens = tail_and_decode(model, cache, tail, eos)
+                logits, tokens = tail_and_decode(model, cache, tail, MAX_NEW)
                 kl, top1 = kl_top1(ref_logits, logits)
                 answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
                 row[fmt] = {"kl_mean": sum(kl) / len(kl), "kl_max": max(kl), "top1": top1, "answer": answer,
