@@ -13,21 +13,45 @@ __all__ = ["load_texts", "pack_samples"]
 _SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
 
 
+def _text_of(record, text_column: str, where: str) -> str:
+    if isinstance(record, str):  # a JSON array of strings
+        return record
+    if not isinstance(record, dict) or text_column not in record:
+        raise ValueError(f"{where}: no {text_column!r} field (use --text-column)")
+    text = record[text_column]
+    if not isinstance(text, str):  # str(None) would calibrate on the word "None"
+        raise ValueError(f"{where}: field {text_column!r} is {type(text).__name__}, not a string")
+    return text
+
+
 def _read_file(path: Path, text_column: str) -> list[str]:
     if path.suffix not in (".jsonl", ".json", ".parquet"):  # .txt, .md, or a plain file named explicitly
         return [path.read_text(encoding="utf-8", errors="replace")]
     if path.suffix in (".jsonl", ".json"):
+        try:
+            content = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if path.suffix == ".json":  # one JSON document (an array of records or strings, or one record) ...
+            try:
+                doc = json.loads(content)
+            except json.JSONDecodeError:
+                doc = None  # ... or JSON lines under a .json name
+            if isinstance(doc, list):
+                return [_text_of(r, text_column, f"{path}: item {n}") for n, r in enumerate(doc)]
+            if isinstance(doc, dict):
+                return [_text_of(doc, text_column, str(path))]
         texts = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
-            if not isinstance(record, dict) or text_column not in record:
-                raise ValueError(f"{path}:{n}: no {text_column!r} field (use --text-column)")
-            texts.append(str(record[text_column]))
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object with a {text_column!r} field")
+            texts.append(_text_of(record, text_column, f"{path}:{n}"))
         return texts
     try:
         import pyarrow.parquet as pq
@@ -36,7 +60,13 @@ def _read_file(path: Path, text_column: str) -> list[str]:
     table = pq.read_table(path)
     if text_column not in table.column_names:
         raise ValueError(f"{path}: no column {text_column!r}; columns: {table.column_names}")
-    return [str(t) for t in table.column(text_column).to_pylist()]
+    return [str(t) for t in table.column(text_column).to_pylist() if t is not None]
+
+
+def _looks_like_path(data: str) -> bool:
+    """A name that can only mean a local file (not a `datasets` name such as ``owner/name``)."""
+    return (Path(data).suffix in _SUFFIXES or data.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+            or Path(data).is_absolute())
 
 
 def load_texts(data: str, *, split: str = "train", text_column: str = "text") -> list[str]:
@@ -45,21 +75,31 @@ def load_texts(data: str, *, split: str = "train", text_column: str = "text") ->
     Raises:
         ValueError: unsupported file type, missing column, or an empty result.
     """
-    path = Path(data)
+    path = Path(data).expanduser()
     if path.exists():
-        # A folder contributes its known file types; a file named explicitly is read as text unless its
-        # suffix says JSON lines or parquet.
-        files = sorted(p for p in path.rglob("*") if p.suffix in _SUFFIXES) if path.is_dir() else [path]
+        # A folder contributes its known file types and suffix-less files (read as text, like LICENSE or
+        # /usr/share/common-licenses/*); a file named explicitly is read as text unless its suffix says JSON
+        # lines or parquet.
+        files = [path]
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                           and (p.suffix in _SUFFIXES or not p.suffix))
         if not files:
             raise ValueError(f"{path}: no {list(_SUFFIXES)} files in this folder")
         texts = [t for f in files for t in _read_file(f, text_column)]
+    elif _looks_like_path(data):
+        raise ValueError(f"no such file or folder: {data!r}")
     else:
         try:
             import datasets
         except ImportError:
             raise ValueError(f"{data!r} is not a local path, and loading it as a dataset needs the `datasets` "
                              "package: pip install datasets") from None
-        ds = datasets.load_dataset(data, split=split)
+        try:
+            ds = datasets.load_dataset(data, split=split)
+        except Exception as exc:  # not found, no network, bad split: one error type for the CLI to report
+            raise ValueError(f"{data!r} is not a local path, and `datasets` could not load it: "
+                             f"{type(exc).__name__}: {exc}") from exc
         if text_column not in ds.column_names:
             raise ValueError(f"dataset {data!r} has no column {text_column!r}; columns: {ds.column_names}")
         texts = [str(t) for t in ds[text_column]]
