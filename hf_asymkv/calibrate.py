@@ -8,13 +8,15 @@ per channel when a percentile is asked for (k = the number of tokens above the p
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-__all__ = ["BUCKETS", "LayerStats", "ObservingCache", "calibrate_model"]
+__all__ = ["BUCKETS", "LayerStats", "ObservingCache", "bucket_report", "calibrate_model", "format_report",
+           "percentile_top_k", "scales_from_stats"]
 
 # (name, first position, end position): the first tokens (attention sinks), short context, mid, long.
 BUCKETS = (("sinks", 0, 4), ("<512", 4, 512), ("<4k", 512, 4096), (">=4k", 4096, math.inf))
@@ -58,12 +60,32 @@ class LayerStats:
             self.k_top = both.topk(min(self.top_k, both.shape[-1]), dim=-1).values
 
     def k_percentile(self, percentile: float) -> torch.Tensor:
-        """Per-channel ``percentile`` of ``|K|`` over every observed row, ``[kv_heads, head_dim]``."""
-        above = int(math.floor((1 - percentile / 100.0) * self.observed))
-        if above >= self.k_top.shape[-1]:
-            raise ValueError(f"percentile {percentile} needs the top {above + 1} values per channel, "
+        """Per-channel ``percentile`` of ``|K|`` over every observed row, ``[kv_heads, head_dim]``.
+
+        Same definition as ``torch.quantile`` (linear interpolation between the two nearest order statistics),
+        computed from the kept top-k values; :func:`percentile_top_k` says how many must be kept.
+        """
+        if not 0 < percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        if self.observed == 0:
+            raise ValueError("no keys observed yet")
+        n = self.observed
+        pos = percentile / 100.0 * (n - 1)  # ascending rank, as torch.quantile
+        lo = min(math.floor(pos), n - 1)
+        hi = min(lo + 1, n - 1)
+        frac = pos - lo
+        d_lo, d_hi = n - 1 - lo, n - 1 - hi  # the same ranks counted from the top (k_top is descending)
+        if d_lo >= self.k_top.shape[-1]:
+            raise ValueError(f"percentile {percentile} needs the top {d_lo + 1} values per channel, "
                              f"only {self.k_top.shape[-1]} were kept")
-        return self.k_top[..., above]
+        lower, upper = self.k_top[..., d_lo], self.k_top[..., d_hi]
+        return lower + frac * (upper - lower)
+
+
+def percentile_top_k(percentile: float, rows: int) -> int:
+    """Top-k buffer size that :meth:`LayerStats.k_percentile` needs for ``percentile`` over ``rows`` observed
+    (batch x token) rows per channel (with a margin for rounding)."""
+    return min(rows, math.ceil((1 - percentile / 100.0) * rows) + 2)
 
 
 class ObservingCache(DynamicCache):
@@ -105,6 +127,8 @@ def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 204
     """
     from tqdm.auto import tqdm
 
+    # transformers >= 5.x names the forward argument `cache` (`past_key_values` is deprecated there).
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     stats: dict[int, LayerStats] = {}
     total = sum(math.ceil(s.shape[-1] / chunk_size) for s in samples)
     bar = tqdm(total=total, desc="calibrating", unit="chunk", disable=not progress)
@@ -112,7 +136,7 @@ def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 204
         cache = ObservingCache(model.config, stats, top_k)
         for start in range(0, ids.shape[-1], chunk_size):
             chunk = ids[:, start : start + chunk_size].to(model.device)
-            model(input_ids=chunk, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
             bar.update(1)
         del cache
     bar.close()
@@ -185,8 +209,10 @@ def format_report(report: dict) -> str:
         beyond = [row["channels_beyond_short"].get(b, {}).get("fraction") for b in ("<4k", ">=4k")]
         extra = " ".join(f"{'-':>11}" if f is None else f"{f:11.1%}" for f in beyond)
         lines.append(f"{i:>5} {cells} {extra}")
-    if report["warnings"]:
-        lines.append(f"WARNING: {len(report['warnings'])} layers see larger keys beyond 512 tokens than within them; "
+    flagged = [i for i, row in report["layers"].items()
+               if any(c["fraction"] > 0 for c in row["channels_beyond_short"].values())]
+    if report["warnings"]:  # one warning per (layer, bucket): count the layers
+        lines.append(f"WARNING: {len(flagged)} layers see larger keys beyond 512 tokens than within them; "
                      "scales calibrated on short samples would overflow there (see the JSON report).")
     else:
         lines.append("No layer's long-context key range exceeds its short-context range by more than "

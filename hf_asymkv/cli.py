@@ -58,14 +58,18 @@ def _cmd_calibrate(args) -> int:
     import json
     import time
 
-    from .calibrate import bucket_report, calibrate_model, format_report, scales_from_stats
+    from .calibrate import bucket_report, calibrate_model, format_report, percentile_top_k, scales_from_stats
     from .data import load_texts, pack_samples
     from .fileio import atomic_write_text
 
-    if args.statistic == "percentile" and not 0 < args.percentile < 100:
+    # Every argument is checked before the (slow) model load; an out-of-range --percentile is wrong whatever
+    # --statistic says.
+    if not 0 < args.percentile < 100:
         raise ValueError(f"--percentile must be in (0, 100), got {args.percentile}")
-    if args.chunk_size < 1:
-        raise ValueError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    for flag, value in (("--chunk-size", args.chunk_size), ("--seq-len", args.seq_len),
+                        ("--num-samples", args.num_samples)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     texts = load_texts(args.data, split=args.split, text_column=args.text_column)  # fail before loading a model
     model, tokenizer = _load(args)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -75,7 +79,7 @@ def _cmd_calibrate(args) -> int:
     samples = pack_samples(texts, tokenizer, args.seq_len, args.num_samples)
     top_k = 0
     if args.statistic == "percentile":  # rows above the percentile, per channel, plus the percentile row
-        top_k = int((1 - args.percentile / 100) * args.seq_len * args.num_samples) + 2
+        top_k = percentile_top_k(args.percentile, args.seq_len * len(samples))
     start = time.perf_counter()
     stats = calibrate_model(model, samples, chunk_size=args.chunk_size, top_k=top_k, progress=not args.quiet)
     seconds = time.perf_counter() - start

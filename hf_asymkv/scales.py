@@ -94,7 +94,8 @@ class KVScales:
     def save(self, path: str | Path) -> Path:
         """Validate, then write atomically. Returns the path."""
         self.validate()
-        meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **self.metadata}
+        # The writer stamps the format it writes: metadata carried over (e.g. from a loaded file) cannot override it.
+        meta = {**self.metadata, "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
         tensors = {k: v.contiguous() for k, v in self.to_tensors().items()}
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={k: str(v) for k, v in meta.items()}))
 
@@ -124,31 +125,55 @@ class KVScales:
         if metadata["format_version"] not in SUPPORTED_VERSIONS:
             raise ValueError(f"{path}: format_version {metadata['format_version']!r} is not supported "
                              f"(supported: {list(SUPPORTED_VERSIONS)}); upgrade hf-asymkv")
-        scales = cls._from_tensors(tensors, metadata, str(path))
-        scales.validate(config)
+        try:
+            fingerprint = json.loads(metadata["fingerprint"])
+        except json.JSONDecodeError:
+            fingerprint = None
+        if not isinstance(fingerprint, dict):
+            raise ValueError(f"{path}: metadata 'fingerprint' is not a JSON object: {metadata['fingerprint'][:80]!r}")
+        try:
+            scales = cls._from_tensors(tensors, metadata, str(path))
+            scales.validate(config)
+        except ValueError as exc:  # every load error names the file
+            if str(path) in str(exc):
+                raise
+            raise ValueError(f"{path}: {exc}") from None
         return scales
 
     @classmethod
     def _from_tensors(cls, tensors: dict[str, torch.Tensor], metadata: dict, where: str) -> KVScales:
-        k_abs, v_abs = {}, {}
+        k_abs, v_abs, layers = {}, {}, set()
         for name, t in tensors.items():
             layer, _, leaf = name.removeprefix("model.layers.").partition(".self_attn.")
-            if not layer.isdigit():
+            if not name.startswith("model.layers.") or not layer.isdigit():
                 raise ValueError(f"{where}: unexpected tensor {name!r}")
+            layers.add(int(layer))  # a layer named by any of its tensors must have all four
             if leaf == "k_channel_absmax":
                 k_abs[int(layer)] = t.float()
             elif leaf == "v_head_absmax":
                 v_abs[int(layer)] = t.float()
             elif leaf not in ("k_scale", "v_scale"):
                 raise ValueError(f"{where}: unexpected tensor {name!r}")
-        for i in sorted(set(k_abs) | set(v_abs)):
+        for i in sorted(layers):
             p = _PREFIX.format(i)
             missing = [p + s for s in ("k_scale", "v_scale", "k_channel_absmax", "v_head_absmax") if p + s not in tensors]
             if missing:
                 raise ValueError(f"{where}: missing tensors {missing}")
         if not k_abs:
             raise ValueError(f"{where}: no per-layer k_channel_absmax tensors")
-        return cls(k_abs, v_abs, metadata)
+        scales = cls(k_abs, v_abs, metadata)
+        scales.validate()  # shapes and values first: the vLLM scalars are checked against valid ranges
+        for i in sorted(layers):
+            p = _PREFIX.format(i)
+            for leaf, expected in (("k_scale", scales.k_scale(i)), ("v_scale", scales.v_scale(i))):
+                t = tensors[p + leaf]
+                if t.dim() != 0:
+                    raise ValueError(f"{where}: {p + leaf} must be a scalar, got shape {tuple(t.shape)}")
+                value = float(t)
+                if not abs(value - expected) <= 1e-5 * expected:  # also catches NaN
+                    raise ValueError(f"{where}: {p + leaf} is {value!r} but its absmax / {FP8_E4M3_MAX:g} is "
+                                     f"{expected!r} (the file was edited inconsistently)")
+        return scales
 
     # -------------------------------------------------------------- validation
     def validate(self, config=None) -> None:
@@ -157,12 +182,14 @@ class KVScales:
         Raises:
             ValueError: naming the layer/tensor and what is wrong with it.
         """
+        if not self.k_channel_absmax:
+            raise ValueError("no layers: k_channel_absmax is empty")
         if set(self.k_channel_absmax) != set(self.v_head_absmax):
             raise ValueError(f"K and V ranges cover different layers: {sorted(self.k_channel_absmax)} vs "
                              f"{sorted(self.v_head_absmax)}")
         for i, k in self.k_channel_absmax.items():
             v = self.v_head_absmax[i]
-            if k.dim() != 2 or v.dim() != 1 or v.shape[0] != k.shape[0]:
+            if k.dim() != 2 or v.dim() != 1 or v.shape[0] != k.shape[0] or k.numel() == 0:
                 raise ValueError(f"layer {i}: k_channel_absmax must be [kv_heads, head_dim] and v_head_absmax "
                                  f"[kv_heads]; got {tuple(k.shape)} and {tuple(v.shape)}")
             for name, t in (("k_channel_absmax", k), ("v_head_absmax", v)):
