@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotAvailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. a --model that is neither a folder nor a reachable Hub id
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -112,8 +112,9 @@ def load_texts(data: str, *, split: str = "train", text_column: str = "text") ->
 def pack_samples(texts: list[str], tokenizer, seq_len: int, num_samples: int) -> list[torch.Tensor]:
     """Tokenize, join documents with EOS, and cut ``num_samples`` samples of exactly ``seq_len`` tokens.
 
-    Text is reused from the start when it runs out (each sample starts at a different offset), because a
-    long-context calibration needs long samples more than it needs many distinct ones.
+    Each sample continues where the previous one ended; when the text runs out it wraps around to the start
+    (so samples repeat text once ``num_samples * seq_len`` exceeds it), because a long-context calibration
+    needs long samples more than it needs many distinct ones. The CLI summary reports the token count.
 
     Returns:
         ``num_samples`` tensors of shape ``[1, seq_len]``.

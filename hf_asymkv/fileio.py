@@ -11,6 +11,12 @@ from pathlib import Path
 __all__ = ["atomic_write", "atomic_write_text"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` then rename the temp file onto ``path``; on any error remove the temp file."""
     path = Path(path)
@@ -19,6 +25,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
