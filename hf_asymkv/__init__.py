@@ -6,6 +6,7 @@ Keys are stored 8-bit per channel (INT8 or FP8), values 4-bit per token, the new
 from .cache import AsymKVCache
 from .layer import AsymKVLayer
 from .quant import QuantSpec
+from .scales import KVScales
 
-__all__ = ["AsymKVCache", "AsymKVLayer", "QuantSpec", "__version__"]
+__all__ = ["AsymKVCache", "AsymKVLayer", "KVScales", "QuantSpec", "__version__"]
 __version__ = "0.1.0"

@@ -204,6 +204,38 @@ class AsymKVCache(Cache):
         layers = self._build_layers(text_config, layer_types, key_absmax or {})
         super().__init__(layers=layers)
 
+    @classmethod
+    def from_pretrained(cls, dir_or_repo_id: str | os.PathLike, config: PreTrainedConfig, *,
+                        revision: str | None = None, token: str | None = None, **overrides) -> AsymKVCache:
+        """A cache with published scales: a folder written by ``hf-asymkv publish`` or a Hub repo holding one.
+
+        Args:
+            dir_or_repo_id: local publish folder, or Hub repo id (downloads only ``kv_scales.safetensors``,
+                ``asymkv_config.json`` and ``README.md``).
+            config: the model config (``model.config``); the scales must belong to it.
+            revision, token: for Hub repos.
+            **overrides: ``AsymKVCache`` settings that win over the published ones.
+
+        Raises:
+            ValueError: malformed publication or scales for another model (the message names the problem).
+            OSError: not a local folder and the Hub download failed.
+
+        Example::
+
+            cache = AsymKVCache.from_pretrained("org/model-asymkv-scales", config=model.config)
+            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        """
+        from .publish import load_published
+
+        for name in ("scales", "key_absmax"):
+            if name in overrides:
+                raise ValueError(f"from_pretrained takes its ranges from {dir_or_repo_id!r}; do not pass {name}=.")
+        if not isinstance(config, PreTrainedConfig):
+            raise ValueError("config must be a transformers PreTrainedConfig (model.config), "
+                             f"got {type(config).__name__}.")
+        scales, settings = load_published(dir_or_repo_id, config, revision=revision, token=token)
+        return cls(config, scales=scales, **{**settings, **overrides})
+
     def _build_layers(self, text_config, layer_types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
         # What DynamicCache builds for this config: reused for every layer type we do not quantize.
         fallback = DynamicCache(config=text_config).layers

@@ -96,7 +96,8 @@ class KVScales:
         self.validate()
         # The writer stamps the format it writes: metadata carried over (e.g. from a loaded file) cannot override it.
         meta = {**self.metadata, "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
-        tensors = {k: v.contiguous() for k, v in self.to_tensors().items()}
+        # clone: safetensors refuses tensors that share memory (e.g. one range reused for several layers)
+        tensors = {k: v.detach().clone().contiguous() for k, v in self.to_tensors().items()}
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={k: str(v) for k, v in meta.items()}))
 
     @classmethod
