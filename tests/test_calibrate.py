@@ -27,6 +27,7 @@ from hf_asymkv.calibrate import (
 from hf_asymkv.scales import KVScales
 
 from conftest import FIRST_PLAIN_TOKEN, VOCAB
+from helpers import greedy_with_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -320,12 +321,7 @@ def test_bucket_report_on_a_real_long_sample(llama):
 
 
 # ------------------------------------------------------------------------------------------------ AsymKVCache + scales
-def _greedy(model, prompt, cache, n=16):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(prompt, cache=cache, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
-                             output_logits=True)
-    return out.sequences, torch.stack(out.logits)
+_greedy = greedy_with_logits
 
 
 def test_scales_file_object_and_tensors_give_identical_generations(llama, calibrated, prompt, tmp_path):

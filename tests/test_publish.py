@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import huggingface_hub
@@ -30,6 +29,7 @@ from hf_asymkv.publish import (
 from hf_asymkv.scales import KVScales, config_fingerprint
 
 from conftest import llama_config
+from helpers import greedy_with_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -37,12 +37,7 @@ SMALL = dict(residual_length=8, key_block_size=8)  # quantizes after a handful o
 REPO = "someone/tiny-llama-asymkv"
 
 
-def _greedy(model, prompt, cache, n=16):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = model.generate(prompt, cache=cache, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
-                             output_logits=True)
-    return out.sequences, torch.stack(out.logits)
+_greedy = greedy_with_logits
 
 
 def _listing(folder: Path) -> set[str]:
