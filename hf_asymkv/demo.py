@@ -46,7 +46,8 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
         seconds = time.perf_counter() - start
         answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
         rows.append(DemoRow(name, answer, score_answer(answer, prompt.answer), cache_nbytes(cache), seconds))
-    info = {"prompt_tokens": n_prompt, "expected": prompt.answer, "depth": depth, "key": prompt.key}
+    info = {"prompt_tokens": n_prompt, "expected": prompt.answer, "depth": depth, "key": prompt.key,
+            "dtype": str(model.dtype).removeprefix("torch.")}
     return rows, info
 
 
@@ -60,4 +61,6 @@ def format_demo(rows: list[DemoRow], info: dict) -> str:
         answer = " ".join(r.answer.split())
         lines.append(f"{r.cache:38} {r.kv_bytes / 2**20:8.2f} {base / r.kv_bytes:9.2f} {r.seconds:7.1f}  "
                      f"{'yes' if r.correct else 'no':3} {answer}")
+    lines.append(f"(model dtype {info.get('dtype', '?')}: exact tokens and the full-precision cache use it; "
+                 "`hf-asymkv memory` compares bf16 caches)")
     return head + "\n".join(lines)
