@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+import hf_asymkv.model_card as model_card_mod
 import hf_asymkv.publish as publish_mod
 from hf_asymkv import AsymKVCache
 from hf_asymkv.calibrate import calibrate_model, scales_from_stats
@@ -325,13 +326,13 @@ def test_bad_eval_results(model_dir, scales_file, tmp_path, kind, message):
 
 def test_template_file_and_builtin_copy_agree():
     path = Path(__file__).resolve().parent.parent / "model_cards" / "TEMPLATE.md"
-    assert path.read_text(encoding="utf-8") == publish_mod._BUILTIN_TEMPLATE
+    assert path.read_text(encoding="utf-8") == model_card_mod._BUILTIN_TEMPLATE
 
 
 def test_template_placeholders_are_checked():
-    assert publish_mod.render_template("a {{x}} b", {"x": "{{y}}"}) == "a {{y}} b"  # inserted text not rescanned
+    assert model_card_mod.render_template("a {{x}} b", {"x": "{{y}}"}) == "a {{y}} b"  # inserted text not rescanned
     with pytest.raises(ValueError, match=r"placeholders without values: \['nope'\]"):
-        publish_mod.render_template("{{ nope }}", {})
+        model_card_mod.render_template("{{ nope }}", {})
 
 
 def test_default_model_alias_uses_the_cached_folder_and_known_hub_id(monkeypatch, model_dir, scales, tmp_path):
