@@ -164,6 +164,27 @@ def _cmd_export_vllm(args) -> int:
     return 0
 
 
+def _cmd_eval_synthetic(args) -> int:
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from .fileio import atomic_write_text
+    from .synthetic import format_synthetic, run_synthetic
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    rows = run_synthetic(args.seeds)
+    table = format_synthetic(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        atomic_write_text(out / "synthetic.json", json.dumps({"seeds": args.seeds, "rows": [asdict(r) for r in rows]},
+                                                              indent=2))
+        atomic_write_text(out / "synthetic.md", table + "\n")
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     from .models import DEFAULT_MODEL
 
@@ -201,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="kv_scales.safetensors", help="output file (default kv_scales.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_calibrate)
+
+    p = sub.add_parser("eval", help="evaluations (synthetic head)")
+    evals = p.add_subparsers(dest="eval_command", required=True)
+    e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
+    e.add_argument("--seeds", type=int, default=5, help="number of random heads (default 5)")
+    e.add_argument("--out", default=None, help="folder for synthetic.json and synthetic.md")
+    e.set_defaults(func=_cmd_eval_synthetic)
 
     p = sub.add_parser("memory", help="real KV bytes after a prefill, per cache scheme, vs DynamicCache")
     _add_model_args(p)
