@@ -320,7 +320,9 @@ class AsymKVLayer(CacheLayerMixin):
         """``[B, H, seq, D]``: sinks + the first ``n_old`` quantized tokens dequantized + ``tail`` (exact)."""
         ns = sink.length
         if ns == 0 and n_old == 0:
-            return tail
+            # A copy: `tail` may be a view of the window buffer, which later flushes rewrite in place; the
+            # caller must be able to keep what it was given (bounded: at most the window + this update).
+            return tail.clone() if tail._base is not None else tail
         b, h, n_tail, d = tail.shape
         out = tail.new_empty(b, h, ns + n_old + n_tail, d)
         if ns:

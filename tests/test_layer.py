@@ -452,3 +452,14 @@ def test_calibrated_range_with_wrong_shape_raises():
     k, v = kv(4)
     with pytest.raises(ValueError, match=r"shape \(4, 16\).*needs \(3, 16\)"):
         layer.update(k, v)
+
+
+def test_returned_tensors_are_not_rewritten_by_later_updates():
+    """What `update` hands out stays valid after later flushes (DynamicCache gives the same guarantee)."""
+    layer = make_layer()  # block 8, window 8: the 16th token flushes the first block
+    k, v = kv(20)
+    keys, values = layer.update(k[:, :, :10], v[:, :, :10])
+    before = keys.clone(), values.clone()
+    feed(layer, k[:, :, 10:], v[:, :, 10:], [1] * 10)
+    assert layer.stats["tokens_quantized"] > 0
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
