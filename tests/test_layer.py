@@ -458,8 +458,8 @@ def test_returned_tensors_are_not_rewritten_by_later_updates():
     """What `update` hands out stays valid after later flushes (DynamicCache gives the same guarantee)."""
     layer = make_layer()  # block 8, window 8: the 16th token flushes the first block
     k, v = kv(20)
-    keys, values = layer.update(k[:, :, :10], v[:, :, :10])
+    keys, values = layer.update(k[:, :, :15], v[:, :, :15])  # 15 < 8 + 8: all in the window, no flush yet
     before = keys.clone(), values.clone()
-    feed(layer, k[:, :, 10:], v[:, :, 10:], [1] * 10)
+    feed(layer, k[:, :, 15:], v[:, :, 15:], [1] * 5)  # the 16th token flushes; the window buffer is reused
     assert layer.stats["tokens_quantized"] > 0
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
