@@ -107,3 +107,61 @@ def format_memory_table(rows: list[MemoryRow]) -> str:
 
 def save_rows(rows: list[MemoryRow], path, meta: dict) -> None:
     atomic_write_text(path, json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+
+
+@dataclass
+class SpeedRow:
+    scheme: str
+    context: int
+    decode_ms_median: float
+    decode_ms_max: float
+    steps: int
+    repeats: int
+    ratio_vs_dynamic: float = 0.0  # this scheme's median / DynamicCache's median
+
+
+@torch.no_grad()
+def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_tokens: int = 32, repeats: int = 3,
+                         seed: int = 0) -> list[SpeedRow]:
+    """Decode ms/token after a ``length``-token context, per scheme, with interleaved repeats.
+
+    The context's K/V are computed once (one prefill) and stored into each scheme's cache with one
+    ``update`` per layer, as a prefill would; after one untimed warm-up step, ``new_tokens`` single-token
+    forward passes are timed one by one. Schemes are interleaved within every repeat (a noisy machine slows all of them alike), and the
+    median over all timed steps is reported with the worst step.
+    """
+    import statistics
+    import time
+
+    schemes = ["dynamic"] + [s for s in schemes if s != "dynamic"]
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, length + 1), generator=gen).to(model.device)
+        kv = record_kv(model, ids[:, :length])
+        times: dict[str, list[float]] = {name: [] for name in schemes}
+        for _ in range(repeats):
+            for name in schemes:
+                cache = make_cache(name, model.config)
+                for i, (k, v) in enumerate(kv):
+                    cache.update(k, v, i)
+                token = ids[:, length:]
+                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)  # warm-up
+                for _ in range(new_tokens):
+                    start = time.perf_counter()
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                    times[name].append(time.perf_counter() - start)
+                    token = out.logits[:, -1:].argmax(-1)
+        base = statistics.median(times["dynamic"])
+        for name in schemes:
+            med = statistics.median(times[name])
+            rows.append(SpeedRow(name, length, med * 1e3, max(times[name]) * 1e3, new_tokens, repeats, med / base))
+    return rows
+
+
+def format_speed_table(rows: list[SpeedRow]) -> str:
+    lines = ["| scheme | context | decode ms/token (median) | worst step ms | x DynamicCache |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.scheme} | {r.context} | {r.decode_ms_median:.1f} | {r.decode_ms_max:.1f} | "
+                     f"{r.ratio_vs_dynamic:.2f} |")
+    return "\n".join(lines)

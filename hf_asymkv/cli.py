@@ -185,6 +185,34 @@ def _cmd_eval_synthetic(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import torch
+
+    from .bench import format_speed_table, measure_decode_speed
+    from .fileio import atomic_write_text
+
+    if args.new_tokens < 1 or args.repeats < 1:
+        raise ValueError(f"--new-tokens and --repeats must be >= 1, got {args.new_tokens} and {args.repeats}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = _load(args)
+    rows = measure_decode_speed(model, args.schemes.split(","), args.lengths, new_tokens=args.new_tokens,
+                                repeats=args.repeats)
+    table = format_speed_table(rows)
+    print(table)
+    if args.out:
+        meta = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                "command": " ".join(["hf-asymkv", *sys.argv[1:]])}
+        atomic_write_text(Path(args.out) / "decode_speed.json",
+                          json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+        atomic_write_text(Path(args.out) / "decode_speed.md", table + "\n")
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     from .models import DEFAULT_MODEL
 
@@ -229,6 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seeds", type=int, default=5, help="number of random heads (default 5)")
     e.add_argument("--out", default=None, help="folder for synthetic.json and synthetic.md")
     e.set_defaults(func=_cmd_eval_synthetic)
+
+    p = sub.add_parser("bench", help="decode ms/token per cache scheme vs DynamicCache (interleaved repeats)")
+    _add_model_args(p)
+    p.add_argument("--lengths", type=_int_list, default=[1024, 4096], help="context lengths, e.g. 1024,4096")
+    p.add_argument("--schemes", default="dynamic,asymkv,hf-quanto-int4,hf-fp8", help="comma-separated scheme names")
+    p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per repeat (default 32)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", default=None, help="folder for decode_speed.json and decode_speed.md")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("memory", help="real KV bytes after a prefill, per cache scheme, vs DynamicCache")
     _add_model_args(p)

@@ -1,0 +1,44 @@
+"""Memory and decode-speed measurement on a tiny model: every scheme measured, ratios against DynamicCache."""
+
+import pytest
+
+from hf_asymkv.bench import format_memory_table, format_speed_table, measure_decode_speed, measure_kv_memory
+from hf_asymkv.cli import main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+SCHEMES = ["asymkv", "hf-quanto-int4", "hf-fp8", "k4v4-sym"]
+
+
+def test_memory_rows_and_ratios(llama):
+    rows = measure_kv_memory(llama, SCHEMES, [300], decode_tokens=3)
+    assert [r.scheme for r in rows] == ["dynamic", *SCHEMES]
+    dynamic = rows[0]
+    cfg = llama.config
+    # 2 layers x (K, V) x kv heads x 300 tokens x head_dim x 2 bytes (bf16)
+    assert dynamic.prefill_bytes == cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 300 * cfg.head_dim * 2
+    assert dynamic.ratio_vs_dynamic == 1.0
+    assert all(r.decode_bytes >= r.prefill_bytes for r in rows)
+    assert next(r for r in rows if r.scheme == "asymkv").ratio_vs_dynamic > 1.2
+    assert format_memory_table(rows).count("\n") == len(rows) + 1
+
+
+def test_decode_speed_rows(llama):
+    rows = measure_decode_speed(llama, ["asymkv"], [64], new_tokens=3, repeats=2)
+    assert [r.scheme for r in rows] == ["dynamic", "asymkv"]
+    assert rows[0].ratio_vs_dynamic == 1.0
+    assert all(r.decode_ms_max >= r.decode_ms_median > 0 and r.steps == 3 and r.repeats == 2 for r in rows)
+    assert "x DynamicCache" in format_speed_table(rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--new-tokens", "0"], "--new-tokens and --repeats must be >= 1"),
+    (["bench", "--repeats", "0"], "--new-tokens and --repeats must be >= 1"),
+], ids=["zero-tokens", "zero-repeats"])
+def test_bench_rejects_bad_counts_before_loading(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_scheme_is_named(llama):
+    with pytest.raises(ValueError, match="Unknown cache scheme 'nope'; known schemes"):
+        measure_kv_memory(llama, ["nope"], [16])
