@@ -15,15 +15,10 @@ from collections import Counter
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
-
-try:  # transformers >= 5.x: the resolution DynamicCache itself uses (KV sharing, MLP-only layers, per-layer configs)
-    from transformers.cache_utils import get_layer_types_and_kwargs as _hf_layer_types
-except ImportError:  # pragma: no cover
-    _hf_layer_types = None
+from transformers.cache_utils import Cache, DynamicCache, get_layer_types_and_kwargs
 
 from .layer import OVERFLOW_POLICIES, AsymKVLayer
-from .quant import FORMATS, GRANULARITIES, QuantSpec
+from .quant import GRANULARITIES, QuantSpec
 from .scales import KVScales
 
 __all__ = ["AsymKVCache", "KEY_FORMATS", "VALUE_BITS"]
@@ -64,16 +59,10 @@ def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedCo
 def _layer_types(config: PreTrainedConfig) -> list[str]:
     """Per-layer cache type, exactly as transformers' own `DynamicCache` sees it.
 
-    Where transformers resolves it (``get_layer_types_and_kwargs``), KV-sharing consumer layers and MLP/MoE-only
-    layers come back as ``"dummy"`` and missing ``layer_types`` are inferred per layer.
+    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"``; missing ``layer_types`` are
+    inferred per layer (``get_layer_types_and_kwargs``, the resolution `DynamicCache` itself uses).
     """
-    if _hf_layer_types is not None:
-        return list(_hf_layer_types(config)[0])
-    types = getattr(config, "layer_types", None)  # pragma: no cover - transformers without the helper
-    if types is None:  # pragma: no cover
-        sliding = getattr(config, "sliding_window", None)
-        types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
-    return list(types)  # pragma: no cover
+    return list(get_layer_types_and_kwargs(config)[0])
 
 
 def _default_group(head_dims: list[int]) -> int:
@@ -180,10 +169,8 @@ class AsymKVCache(Cache):
                 hd_text = f"head_dim={head_dims[0]}" if len(head_dims) == 1 else f"every head_dim {head_dims}"
                 raise ValueError(f"{name} must divide {hd_text} (one of {divisors}), got {size}.")
         self.key_spec = QuantSpec(key_format, key_granularity, key_group_size, True, torch.bfloat16)
-        value_fmt = f"int{value_bits}"
-        self.value_spec = QuantSpec(value_fmt, value_granularity, value_group_size, value_symmetric, torch.float16)
-        if value_fmt not in FORMATS:  # pragma: no cover - VALUE_BITS and FORMATS agree
-            raise ValueError(f"value_bits={value_bits} has no format.")
+        self.value_spec = QuantSpec(f"int{value_bits}", value_granularity, value_group_size, value_symmetric,
+                                    torch.float16)
 
         if key_absmax is not None:
             if key_granularity != "channel":
@@ -237,10 +224,9 @@ class AsymKVCache(Cache):
         return cls(config, scales=scales, **{**settings, **overrides})
 
     def _build_layers(self, text_config, layer_types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
-        # What DynamicCache builds for this config: reused for every layer type we do not quantize.
+        # What DynamicCache builds for this config (one layer per layer type): reused for every layer we do not
+        # quantize, so sliding windows, linear attention and KV-sharing layers behave exactly as transformers'.
         fallback = DynamicCache(config=text_config).layers
-        if len(fallback) != len(layer_types):  # pragma: no cover - older transformers: DynamicCache builds lazily
-            fallback = [None] * len(layer_types)
         s = self.settings
         layers = []
         for i, layer_type in enumerate(layer_types):
@@ -252,10 +238,8 @@ class AsymKVCache(Cache):
                     key_absmax=key_absmax.get(i),
                     overflow_policy=s["overflow_policy"],
                 ))  # fmt: skip
-            elif fallback[i] is not None:
-                layers.append(fallback[i])
             else:
-                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+                layers.append(fallback[i])
         return layers
 
     def memory_footprint(self) -> dict[str, int]:
