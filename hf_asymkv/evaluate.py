@@ -15,7 +15,7 @@ import torch
 
 from .layer import AsymKVLayer
 
-__all__ = ["encode_prompt", "cache_from_prefix", "tail_and_decode", "kl_top1", "eos_ids"]
+__all__ = ["encode_prompt", "cache_from_prefix", "tail_and_decode", "kl_top1", "eos_ids", "compare_continuation"]
 
 
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
@@ -69,3 +69,20 @@ def kl_top1(ref: torch.Tensor, q: torch.Tensor) -> tuple[list[float], float]:
     lp, lq = ref.float().log_softmax(-1), q.float().log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     return kl.tolist(), float((ref.argmax(-1) == q.argmax(-1)).float().mean())
+
+
+def compare_continuation(model, tokenizer, cache, tail_ids: torch.Tensor, ref_logits: torch.Tensor,
+                         ref_tokens: list[int], expected: str, max_new: int = 24) -> dict:
+    """Continue ``cache`` with the tail and a greedy answer; compare with the full-precision reference.
+
+    Returns:
+        ``kl_mean``/``kl_max`` (nats) and ``top1`` of the tail logits, the decoded ``answer``, whether it is
+        ``correct`` (string match of ``expected``) and whether its tokens are the reference's (``same_tokens``).
+    """
+    from .tasks import score_answer
+
+    logits, tokens = tail_and_decode(model, cache, tail_ids, max_new)
+    kl, top1 = kl_top1(ref_logits, logits)
+    answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    return {"kl_mean": sum(kl) / len(kl), "kl_max": max(kl), "top1": top1, "answer": answer,
+            "correct": score_answer(answer, expected), "same_tokens": tokens == ref_tokens}

@@ -68,7 +68,7 @@ def continue_schemes(model, tokenizer, cals: dict) -> list[dict]:
     from transformers import DynamicCache
 
     from hf_asymkv import AsymKVCache
-    from hf_asymkv.evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
+    from hf_asymkv.evaluate import cache_from_prefix, compare_continuation, encode_prompt, tail_and_decode
     from hf_asymkv.tasks import make_needle_prompt, score_answer
 
     schemes = {
@@ -93,11 +93,8 @@ def continue_schemes(model, tokenizer, cals: dict) -> list[dict]:
         row = {"prompt_tokens": ids.shape[1], "depth": depth, "expected": prompt.answer,
                "full precision": {"answer": ref_answer, "correct": score_answer(ref_answer, prompt.answer)}}
         for name, cache in caches.items():
-            logits, tokens = tail_and_decode(model, cache, tail, MAX_NEW)
-            kl, top1 = kl_top1(ref_logits, logits)
-            answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-            row[name] = {"kl_mean": sum(kl) / len(kl), "kl_max": max(kl), "top1": top1, "answer": answer,
-                         "correct": score_answer(answer, prompt.answer), "stats": cache.stats()}
+            row[name] = compare_continuation(model, tokenizer, cache, tail, ref_logits, ref_tokens, prompt.answer,
+                                             MAX_NEW) | {"stats": cache.stats()}
         row["seconds"] = time.time() - t0
         rows.append(row)
         print(f"prompt {ids.shape[1]} tokens depth {depth}: " + "; ".join(

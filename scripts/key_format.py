@@ -133,7 +133,7 @@ def check_prefill(model, tokenizer, length: int) -> float:
 @torch.no_grad()
 def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict], dict[int, dict]]:
     from hf_asymkv import AsymKVCache
-    from hf_asymkv.evaluate import encode_prompt, kl_top1, tail_and_decode
+    from hf_asymkv.evaluate import compare_continuation, encode_prompt, tail_and_decode
     from hf_asymkv.tasks import make_needle_prompt, score_answer
     from transformers import DynamicCache
 
@@ -164,11 +164,8 @@ def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict],
                    "expected": prompt.answer,
                    "dynamic": {"answer": answer, "correct": score_answer(answer, prompt.answer)}}
             for fmt, cache in caches.items():
-                logits, tokens = tail_and_decode(model, cache, tail, MAX_NEW)
-                kl, top1 = kl_top1(ref_logits, logits)
-                answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-                row[fmt] = {"kl_mean": sum(kl) / len(kl), "kl_max": max(kl), "top1": top1, "answer": answer,
-                            "correct": score_answer(answer, prompt.answer), "same_tokens": tokens == ref_tokens}
+                row[fmt] = compare_continuation(model, tokenizer, cache, tail, ref_logits, ref_tokens, prompt.answer,
+                                                MAX_NEW)
             row["tokens_quantized_per_layer"] = caches[FORMATS[0]].layers[q_layers[0]].stats["tokens_quantized"]
             row["seconds"] = time.time() - t0
             rows.append(row)
