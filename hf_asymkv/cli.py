@@ -18,21 +18,37 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _load(args):
+def _dtype(name: str):
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (argparse restricts the choices) -> torch dtype."""
     import torch
 
+    return getattr(torch, name)
+
+
+def _set_threads(threads: int) -> None:
+    """``--threads``: 0 keeps torch's choice."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _command(args) -> str:
+    """The equivalent `hf-asymkv` command line (also for the scripts/ wrappers), for results' metadata."""
+    return " ".join(["hf-asymkv", *args.argv])
+
+
+def _load(args):
     from .models import load_model
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    return load_model(args.model, dtype=dtype, device=args.device, device_map=getattr(args, "device_map", None))
+    return load_model(args.model, dtype=_dtype(args.dtype), device=args.device,
+                      device_map=getattr(args, "device_map", None))
 
 
 def _cmd_demo(args) -> int:
-    import torch
-
     from .demo import format_demo, run_demo
 
-    torch.set_num_threads(max(1, args.threads)) if args.threads else None
+    _set_threads(args.threads)
     model, tokenizer = _load(args)
     rows, info = run_demo(model, tokenizer, context_tokens=args.context, depth=args.depth, seed=args.seed)
     print(format_demo(rows, info))
@@ -42,15 +58,14 @@ def _cmd_demo(args) -> int:
 def _cmd_memory(args) -> int:
     from .bench import format_memory_table, measure_kv_memory, save_rows
 
-    import torch
-
+    if args.decode_tokens < 0:
+        raise ValueError(f"--decode-tokens must be >= 0, got {args.decode_tokens}")
     model, _ = _load(args)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.kv_dtype]
     rows = measure_kv_memory(model, args.schemes.split(","), args.lengths, decode_tokens=args.decode_tokens,
-                             dtype=dtype)
+                             dtype=_dtype(args.kv_dtype))
     print(format_memory_table(rows))
     if args.out:
-        save_rows(rows, args.out, {"model": args.model, "kv_dtype": args.kv_dtype, "command": " ".join(sys.argv)})
+        save_rows(rows, args.out, {"model": args.model, "kv_dtype": args.kv_dtype, "command": _command(args)})
     return 0
 
 
@@ -197,8 +212,7 @@ def _cmd_bench(args) -> int:
 
     if args.new_tokens < 1 or args.repeats < 1:
         raise ValueError(f"--new-tokens and --repeats must be >= 1, got {args.new_tokens} and {args.repeats}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     model, _ = _load(args)
     rows = measure_decode_speed(model, args.schemes.split(","), args.lengths, new_tokens=args.new_tokens,
                                 repeats=args.repeats)
@@ -206,7 +220,7 @@ def _cmd_bench(args) -> int:
     print(table)
     if args.out:
         meta = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
-                "command": " ".join(["hf-asymkv", *sys.argv[1:]])}
+                "command": _command(args)}
         atomic_write_text(Path(args.out) / "decode_speed.json",
                           json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
         atomic_write_text(Path(args.out) / "decode_speed.md", table + "\n")
@@ -332,16 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .models import ModelNotAvailableError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
-    except ModelNotAvailableError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # e.g. a --model that is neither a folder nor a reachable Hub id
+    # Bad input, a missing model package, or a --model that is neither a folder nor a reachable Hub id
+    # (OSError, FileNotFoundError included): one line on stderr, exit 2.
+    except (ValueError, OSError, ModelNotAvailableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -33,7 +33,8 @@ def test_decode_speed_rows(llama):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--new-tokens", "0"], "--new-tokens and --repeats must be >= 1"),
     (["bench", "--repeats", "0"], "--new-tokens and --repeats must be >= 1"),
-], ids=["zero-tokens", "zero-repeats"])
+    (["memory", "--decode-tokens", "-1"], "--decode-tokens must be >= 0, got -1"),
+], ids=["zero-tokens", "zero-repeats", "negative-decode-tokens"])
 def test_bench_rejects_bad_counts_before_loading(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
