@@ -340,6 +340,11 @@ class AsymKVLayer(CacheLayerMixin):
         k_buf.truncate(length)
         v_buf.truncate(length)
 
+    def _quantized_parts(self) -> tuple:
+        """``((codes, scales, zeros), spec, head_dim)`` of the quantized region, for K then V."""
+        return (((self._kq, self._ks, self._kz), self.key_spec, self._head_dim),
+                ((self._vq, self._vs, self._vz), self.value_spec, self._v_head_dim))
+
     def _uncommit_tail(self, keep_q: int) -> None:
         """Keep ``keep_q`` quantized tokens; whole blocks stay, a partial block's tokens go back to the window."""
         bs = self.block_size
@@ -347,14 +352,11 @@ class AsymKVLayer(CacheLayerMixin):
         partial = keep_q - whole
         self._truncate(self._win_k, self._win_v, 0)
         if partial:
-            last_k, last_v = (self._dense_block(*bufs, spec, whole, dim) for bufs, spec, dim in (
-                ((self._kq, self._ks, self._kz), self.key_spec, self._head_dim),
-                ((self._vq, self._vs, self._vz), self.value_spec, self._v_head_dim)))
+            last_k, last_v = (self._dense_block(*bufs, spec, whole, dim) for bufs, spec, dim in self._quantized_parts())
             self._win_k.append(last_k[:, :, :partial], self.growth_factor)
             self._win_v.append(last_v[:, :, :partial], self.growth_factor)
             self.stats["requantized_tokens"] += partial
-        for (codes, scales, zeros), spec, dim in (((self._kq, self._ks, self._kz), self.key_spec, self._head_dim),
-                                                  ((self._vq, self._vs, self._vz), self.value_spec, self._v_head_dim)):
+        for (codes, scales, zeros), spec, dim in self._quantized_parts():
             rows = whole // spec.groups(dim, bs)[0]
             codes.truncate(whole)
             scales.truncate(rows)
