@@ -1,7 +1,8 @@
-"""KV memory measurement: real cache bytes after a prefill (and after some decode steps), per scheme.
+"""Measurements per cache scheme, always beside ``DynamicCache`` in the same process, as ratios.
 
-All schemes store the same K/V tensors (recorded once from the model) in one process; ratios are against
-``DynamicCache`` in the same storage dtype (bf16 by default), so the numbers compare like with like.
+- Memory (``hf-asymkv memory``): real cache bytes after a prefill and after some decode steps. All schemes
+  store the same K/V tensors (recorded once from the model), in the same storage dtype (bf16 by default).
+- Speed (``hf-asymkv bench``): prefill seconds and decode ms/token, schemes interleaved within each repeat.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class MemoryRow:
     decode_bytes: int
     decode_tokens: int
     ratio_vs_dynamic: float = 0.0  # DynamicCache bytes / this scheme's bytes, after prefill
+
+
+def _with_baseline(schemes: list[str]) -> list[str]:
+    """``"dynamic"`` first (every ratio is against it), then the others in the given order."""
+    return ["dynamic"] + [s for s in schemes if s != "dynamic"]
 
 
 @torch.no_grad()
@@ -76,7 +82,7 @@ def measure_kv_memory(
     Returns:
         One row per (scheme, length), with ``ratio_vs_dynamic`` filled in.
     """
-    schemes = ["dynamic"] + [s for s in schemes if s != "dynamic"]
+    schemes = _with_baseline(schemes)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for length in lengths:
@@ -135,7 +141,7 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
     import statistics
     import time
 
-    schemes = ["dynamic"] + [s for s in schemes if s != "dynamic"]
+    schemes = _with_baseline(schemes)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for length in lengths:
