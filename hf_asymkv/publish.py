@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
+from .fileio import check_out_dir, write_folder_atomically
 from .model_card import EVAL_DIR, _read_eval, render_card
 from .scales import KVScales
 
@@ -168,60 +166,6 @@ def _check_settings(settings, where: str) -> dict:
     return dict(settings)
 
 
-# ------------------------------------------------------------------------------------------------ atomic folders
-def _check_out_dir(out_dir: Path, overwrite: bool, marker: str) -> None:
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise ValueError(f"output {str(out_dir)!r} exists and is not a folder")
-    if not any(out_dir.iterdir()):
-        return
-    if not overwrite:
-        raise ValueError(f"output folder {str(out_dir)!r} exists and is not empty; choose a new folder or "
-                         "replace it with overwrite=True (--overwrite)")
-    if not (out_dir / marker).is_file():
-        raise ValueError(f"refusing to replace {str(out_dir)!r}: it is not empty and holds no {marker}, so it was "
-                         "not written by hf-asymkv; choose a new or empty folder")
-
-
-def write_folder_atomically(out_dir: str | Path, build: Callable[[Path], None], *, overwrite: bool,
-                            marker: str) -> Path:
-    """Call ``build(tmp)`` on a temp folder next to ``out_dir``, then rename it to ``out_dir``.
-
-    An existing non-empty ``out_dir`` is refused unless ``overwrite`` and it holds ``marker`` (so only a folder
-    this tool wrote is ever replaced). On any error nothing is left behind: no temp folder, no ``out_dir``
-    (an overwritten folder is restored).
-    """
-    out_dir = Path(out_dir).expanduser()
-    _check_out_dir(out_dir, overwrite, marker)  # before any work
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old_root = None
-    try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; give the folder the usual permissions
-        build(tmp)
-        _check_out_dir(out_dir, overwrite, marker)  # again: something may have appeared meanwhile
-        if out_dir.exists():
-            if any(out_dir.iterdir()):
-                old_root = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-                os.rename(out_dir, old_root / "old")
-            else:
-                out_dir.rmdir()
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if old_root is not None:
-                os.rename(old_root / "old", out_dir)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # already renamed on success
-        if old_root is not None:
-            shutil.rmtree(old_root, ignore_errors=True)
-    return out_dir
-
-
 # ------------------------------------------------------------------------------------------------ publish
 def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results: str | Path | None = None,
             settings: dict | None = None, overwrite: bool = False, base_model: str | None = None,
@@ -250,7 +194,7 @@ def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results
     from .cache import AsymKVCache
 
     out_dir = Path(out_dir).expanduser()
-    _check_out_dir(out_dir, overwrite, CONFIG_FILE)  # fail before loading anything
+    check_out_dir(out_dir, overwrite, CONFIG_FILE)  # fail before loading anything
     scales_path = Path(scales).expanduser()
     config = load_config(model)
     loaded = KVScales.load(scales_path, config)

@@ -98,7 +98,7 @@ def export_vllm(scales: KVScales | str | Path, out_dir: str | Path, *, config=No
         ``v_scale``, float32, 0-dim), ``kv_cache_scheme.json`` and ``README.md``.
     """
     from . import __version__
-    from .publish import write_folder_atomically
+    from .fileio import write_folder_atomically
 
     if isinstance(scales, KVScales):
         scales.validate(config)
