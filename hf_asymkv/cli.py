@@ -48,6 +48,10 @@ def _load(args):
 def _cmd_demo(args) -> int:
     from .demo import format_demo, run_demo
 
+    if not 0.0 <= args.depth <= 1.0:  # checked here too, so that a typo fails before the model loads
+        raise ValueError(f"--depth must be in [0, 1], got {args.depth}")
+    if args.context < 64:
+        raise ValueError(f"--context must be >= 64 tokens, got {args.context}")
     _set_threads(args.threads)
     model, tokenizer = _load(args)
     rows, info = run_demo(model, tokenizer, context_tokens=args.context, depth=args.depth, seed=args.seed)

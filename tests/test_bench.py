@@ -43,3 +43,24 @@ def test_bench_rejects_bad_counts_before_loading(argv, message, capsys):
 def test_unknown_scheme_is_named(llama):
     with pytest.raises(ValueError, match="Unknown cache scheme 'nope'; known schemes"):
         measure_kv_memory(llama, ["nope"], [16])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["memory", "--lengths", "0,1024"], "expected positive integers, got '0,1024'"),
+    (["bench", "--lengths", "4k"], "expected comma-separated integers, got '4k'"),
+    (["memory", "--kv-dtype", "int8"], "invalid choice: 'int8'"),
+], ids=["zero-length", "not-a-number", "bad-kv-dtype"])
+def test_bad_flags_exit_2_with_argparse_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--depth", "1.5"], "--depth must be in [0, 1], got 1.5"),
+    (["demo", "--context", "10"], "--context must be >= 64 tokens, got 10"),
+], ids=["depth", "context"])
+def test_demo_rejects_bad_prompt_settings_before_loading(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
