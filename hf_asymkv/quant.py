@@ -242,7 +242,7 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode codes back to ``dtype``: one broadcast multiply(-add), vectorized over every block.
+    """Decode codes back to ``dtype``: codes are converted straight into the output, then scaled in place.
 
     Args:
         codes: ``[B, H, T, packed_dim]`` from :func:`quantize`.
@@ -252,33 +252,41 @@ def dequantize(
 
     Returns:
         ``[B, H, T, D]`` tensor (``out`` when given).
+
+    No temporary of the output's size is made: a mixed-dtype ``codes * scale`` would first copy the codes to
+    ``dtype`` and then multiply; converting into ``out`` and multiplying in place does the same in two passes
+    over ``out``, without the allocation. Sub-byte codes are stored in bit-planes (:func:`pack_bits`), so each
+    plane is one shift-and-mask written into a contiguous slice. In float32 the result is exact to one
+    rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once).
     """
-    if spec.is_float:
-        vals = codes.to(dtype)
-    elif spec.bits == 8:
-        vals = codes  # int8/uint8 promote to `dtype` inside the multiply, without a temporary copy
+    per_byte = 1 if spec.is_float else 8 // spec.bits
+    b, h, t, packed = codes.shape
+    head_dim = packed * per_byte
+    if out is None:
+        out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
+    if per_byte == 1:
+        out.copy_(codes)
     else:
-        vals = unpack_bits(codes, spec.bits).to(dtype)
-        if spec.symmetric:
-            vals -= 2 ** (spec.bits - 1)
-    head_dim = vals.shape[-1]
+        mask = (1 << spec.bits) - 1
+        for j in range(per_byte):
+            plane = codes >> (j * spec.bits) if j else codes
+            out[..., j * packed : (j + 1) * packed].copy_(plane & mask if j < per_byte - 1 else plane)
+        if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
+            out.sub_(2 ** (spec.bits - 1))
     tg, cg = spec.groups(head_dim, block_size)
-    g = _grouped(vals, tg, cg)
-    dest = None if out is None else _grouped(out, tg, cg)
-    s = _bcast(scale).to(dtype)
-    if not g.is_floating_point() and (dest is None or zero is not None):
-        g = g.to(dtype)
-    if zero is None:
-        res = torch.mul(g, s, out=dest)
-    else:
-        res = torch.addcmul(_bcast(zero).to(dtype), g, s, out=dest)
-    return out if out is not None else res.reshape(vals.shape)
+    dest = _grouped(out, tg, cg)
+    dest.mul_(_bcast(scale).to(dtype))
+    if zero is not None:
+        dest.add_(_bcast(zero).to(dtype))
+    return out
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``bits``-wide codes (``uint8`` in ``[0, 2**bits)``) along the last axis.
+    """Pack unsigned ``bits``-wide codes (``uint8`` in ``[0, 2**bits)``) along the last axis, in bit-planes.
 
-    Element ``j`` of each byte-group lands in bits ``[j*bits, (j+1)*bits)`` (little end first).
+    With ``P = D * bits // 8``, byte ``i`` holds element ``i + j*P`` in bits ``[j*bits, (j+1)*bits)``: plane
+    ``j`` (channels ``[j*P, (j+1)*P)``) is one shift-and-mask away from a contiguous slice, so decoding writes
+    each plane into a contiguous slice of the output instead of interleaving nibbles.
 
     Args:
         codes: ``[..., D]`` uint8 with ``D`` a multiple of ``8 // bits``.
@@ -287,20 +295,17 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         ``[..., D * bits // 8]`` uint8.
     """
     per_byte = 8 // bits
-    g = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    out = g[..., 0].clone()
+    planes = codes.reshape(*codes.shape[:-1], per_byte, codes.shape[-1] // per_byte)
+    out = planes[..., 0, :].clone()
     for j in range(1, per_byte):
-        out |= g[..., j] << (j * bits)
+        out |= planes[..., j, :] << (j * bits)
     return out
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``[..., P]`` uint8 -> ``[..., P * 8 // bits]`` uint8."""
-    per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
-    parts = (packed.unsqueeze(-1) >> shifts) & mask
-    return parts.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
+    return torch.cat([(packed >> (j * bits)) & mask for j in range(8 // bits)], dim=-1)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

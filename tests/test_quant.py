@@ -138,8 +138,8 @@ def test_hand_int4_asymmetric_per_token():
     assert zero.flatten().tolist() == [-1.0, 0.5]
     assert codes.dtype == torch.uint8 and codes.shape == (1, 1, 2, 2)
     assert unpack_bits(codes, 4)[0, 0].tolist() == [[0, 5, 15, 7], [0, 15, 4, 6]]
-    # packed: element 0 in the low nibble -> 0 | 5 << 4 = 80, 15 | 7 << 4 = 127, 0 | 15 << 4 = 240, 4 | 6 << 4 = 100
-    assert codes[0, 0].tolist() == [[80, 127], [240, 100]]
+    # packed in bit-planes: byte i = element i | element i + 2 << 4 -> 0 | 15 << 4 = 240, 5 | 7 << 4 = 117, ...
+    assert codes[0, 0].tolist() == [[240, 117], [64, 111]]
     assert deq[0, 0].tolist() == [[-1.0, -1 + 5 * 1639 / 8192, -1 + 15 * 1639 / 8192, -1 + 7 * 1639 / 8192],
                                   [0.5, 4.25, 1.5, 2.0]]
 
@@ -161,7 +161,7 @@ def test_hand_int4_symmetric_per_token():
     scale, zero, codes, deq = roundtrip(x, spec)
     assert zero is None and scale.item() == 1.0
     assert int_codes(codes, spec)[0, 0, 0].tolist() == [-7, 4, 0, 7]
-    assert codes[0, 0, 0].tolist() == [1 | 12 << 4, 8 | 15 << 4]  # [193, 248]
+    assert codes[0, 0, 0].tolist() == [1 | 8 << 4, 12 | 15 << 4]  # bit-planes: [129, 252]
     assert deq[0, 0, 0].tolist() == [-7.0, 4.0, 0.0, 7.0]
 
 
@@ -262,7 +262,19 @@ def test_pack_hand_byte(bits, codes, byte):
 
 
 def test_pack_docstring_documents_layout():
-    assert "[j*bits, (j+1)*bits)" in pack_bits.__doc__
+    assert "element ``i + j*P`` in bits ``[j*bits, (j+1)*bits)``" in pack_bits.__doc__
+
+
+@pytest.mark.parametrize("bits", [2, 4], ids=["2bit", "4bit"])
+def test_pack_layout_is_bit_planes(bits):
+    """Along a longer row, byte i holds elements i, i + P, i + 2P, ... (P = bytes per row)."""
+    per_byte, n_bytes = 8 // bits, 3
+    codes = torch.randint(0, 2**bits, (2, n_bytes * per_byte), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_bits(codes, bits)
+    for row in range(2):
+        for i in range(n_bytes):
+            expected = sum(int(codes[row, i + j * n_bytes]) << (j * bits) for j in range(per_byte))
+            assert int(packed[row, i]) == expected
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -574,6 +586,28 @@ def test_dequantize_into_buffer_slice(fmt, symmetric, granularity, dtype):
     assert torch.equal(buf[:, :, 5 : 5 + t], expected)
     assert torch.equal(buf[:, :, :5], before[:, :, :5])
     assert torch.equal(buf[:, :, 5 + t :], before[:, :, 5 + t :])
+
+
+# Sub-byte codes decode one bit-plane at a time when a plane covers whole channel groups or lies inside one
+# (int4, D=64: plane 32); otherwise (D=96, groups of 32: plane 48) through the generic unpack path.
+PLANE_CASES = [
+    ("int4", "token", 64, 64), ("int4", "token", 32, 64), ("int4", "token", 16, 64), ("int4", "token", 32, 96),
+    ("int4", "channel", None, 64), ("int4", "tensor", None, 64), ("int2", "token", 64, 64),
+    ("int2", "token", 8, 64), ("int2", "token", 32, 96), ("int2", "channel", None, 32),
+]
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("fmt,granularity,group,d", PLANE_CASES, ids=[f"{f}-{g}-{s}-d{d}" for f, g, s, d in PLANE_CASES])
+def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
+    """fp32 decode == code * scale + zero computed in float64 and rounded once (both code paths)."""
+    spec = QuantSpec(fmt, granularity, group_size=group, symmetric=symmetric)
+    x = torch.randn(2, 3, 16, d, generator=torch.Generator().manual_seed(5)) * 3
+    scale, zero, codes, deq = roundtrip(x, spec, block_size=8)
+    ref = int_codes(codes, spec).double() * expand(scale, spec, d, 8)
+    if zero is not None:
+        ref = ref + expand(zero, spec, d, 8)
+    assert torch.equal(deq, ref.float())
 
 
 # --------------------------------------------------------------------------------------------------------------
