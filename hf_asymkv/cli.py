@@ -269,12 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_calibrate)
 
-    p = sub.add_parser("eval", help="evaluations (synthetic head)")
+    p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity")
     evals = p.add_subparsers(dest="eval_command", required=True)
     e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
     e.add_argument("--seeds", type=int, default=5, help="number of random heads (default 5)")
     e.add_argument("--out", default=None, help="folder for synthetic.json and synthetic.md")
     e.set_defaults(func=_cmd_eval_synthetic)
+    from .evals.cli import add_eval_commands
+
+    add_eval_commands(evals)
 
     p = sub.add_parser("bench", help="decode ms/token per cache scheme vs DynamicCache (interleaved repeats)")
     _add_model_args(p)
@@ -348,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .evals.plots import MissingExtraError
     from .models import ModelNotAvailableError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -355,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         return args.func(args)
-    # Bad input, a missing model package, or a --model that is neither a folder nor a reachable Hub id
+    # Bad input, a missing model package or eval extra, or a --model that is neither a folder nor a reachable Hub id
     # (OSError, FileNotFoundError included): one line on stderr, exit 2.
-    except (ValueError, OSError, ModelNotAvailableError) as exc:
+    except (ValueError, OSError, ModelNotAvailableError, MissingExtraError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,33 +12,59 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .layer import AsymKVLayer
-
-__all__ = ["encode_prompt", "cache_from_prefix", "tail_and_decode", "kl_top1", "eos_ids", "compare_continuation"]
+__all__ = ["cache_from_prefix", "compare_continuation", "encode_prompt", "eos_ids", "kl_top1", "tail_and_decode"]
 
 
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
-    """``[1, T]`` ids: the chat template when the tokenizer has one, else a completion prompt (base models)."""
+    """``[1, T]`` ids: the chat template when the tokenizer has one, else a completion prompt (base models).
+
+    A prompt with an ``answer_prefix`` (the retrieval tasks of :mod:`hf_asymkv.evals.needle`) gets it appended
+    after the generation prompt (chat) or after ``"Answer: "`` (base models), so the model's first tokens are
+    the answer itself.
+    """
+    prefix = getattr(prompt, "answer_prefix", None)
     if tokenizer.chat_template:
         enc = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)
-        return enc["input_ids"]
-    text = prompt.messages[0]["content"] + f"\nAnswer: The access code for the {prompt.key} is"
+        if not prefix:
+            return enc["input_ids"]
+        extra = tokenizer(" " + prefix, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return torch.cat([enc["input_ids"], extra.to(enc["input_ids"].dtype)], dim=1)
+    answer = prefix or f"The access code for the {prompt.key} is"
+    text = prompt.messages[0]["content"] + f"\nAnswer: {answer}"
     return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+# Layers that store what they are given, unquantized: a copy of the full-precision layer is their prefill state.
+# Sliding-window layers must be copied (their stored K/V are already trimmed to the window and carry the
+# cumulative length); anything else, quantizing or not, receives the prefix K/V in one ``update``.
+_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
 
 
 def cache_from_prefix(cache, prefilled):
     """Put ``cache`` in the state a prefill leaves it in, from a ``DynamicCache`` that ran that prefill.
 
-    Quantized layers receive the prefix K/V in one ``update`` (what the real prefill does); every other layer
-    becomes a copy of the full-precision layer.
+    Every layer of a storage type other than transformers' plain ones (``DynamicLayer``,
+    ``DynamicSlidingWindowLayer``, ``DummyLayer``; exact types, not subclasses: ``QuantizedCache`` layers
+    subclass ``DynamicLayer``) receives the prefix K/V in one ``update``, exactly what the real prefill does:
+    our ``AsymKVLayer`` and transformers' quanto/fp8 ``QuantizedLayer`` quantize it there. Plain layers become
+    copies of the full-precision layer.
+
+    Raises:
+        ValueError: a quantizing layer where the prefilled layer only kept a sliding window (its K/V are not
+            the whole prefix).
     """
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, AsymKVLayer):
-            layer.update(prefilled.layers[i].keys, prefilled.layers[i].values)
-        else:
-            cache.layers[i] = copy.deepcopy(prefilled.layers[i])
+        source = prefilled.layers[i]
+        if type(layer) in _PLAIN_LAYERS:
+            cache.layers[i] = copy.deepcopy(source)
+            continue
+        if type(source) is not DynamicLayer:
+            raise ValueError(f"layer {i}: cannot prefill a {type(layer).__name__} from a {type(source).__name__} "
+                             "(needs the full prefix K/V of a DynamicLayer)")
+        layer.update(source.keys, source.values)
     return cache
 
 
@@ -55,10 +81,10 @@ def tail_and_decode(model, cache, tail_ids: torch.Tensor, max_new: int = 24) -> 
         ``(logits [n, vocab] of the tail, generated token ids)``.
     """
     eos = eos_ids(model)
-    logits = model(input_ids=tail_ids, past_key_values=cache, use_cache=True).logits[0].float()
+    logits = model(input_ids=tail_ids, cache=cache, use_cache=True).logits[0].float()
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < max_new and tokens[-1] not in eos:
-        step = model(input_ids=torch.tensor([[tokens[-1]]], device=tail_ids.device), past_key_values=cache,
+        step = model(input_ids=torch.tensor([[tokens[-1]]], device=tail_ids.device), cache=cache,
                      use_cache=True, logits_to_keep=1).logits
         tokens.append(int(step[0, -1].argmax()))
     return logits, tokens

@@ -28,6 +28,8 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", lambda c: AsymKVCache(c)),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", lambda c: AsymKVCache(c, key_format="fp8_e4m3")),
     "asymkv-sinks4": ("ours with 4 exact sink tokens", lambda c: AsymKVCache(c, sink_tokens=4)),
+    "asymkv-w32": ("ours with a 32-token exact window", lambda c: AsymKVCache(c, residual_length=32)),
+    "asymkv-w512": ("ours with a 512-token exact window", lambda c: AsymKVCache(c, residual_length=512)),
     "k4v4-sym": (
         "baseline: symmetric int4 K per-channel and V per-token",
         lambda c: AsymKVCache(c, key_format="int4", value_bits=4, value_symmetric=True),

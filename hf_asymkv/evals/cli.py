@@ -1,0 +1,208 @@
+"""`hf-asymkv eval needle | attention | ppl | report`: argument parsing, checks before the model loads, output.
+
+Every command prints its markdown table; with ``--out DIR`` it also writes ``<name>.json`` (rows, summary,
+the exact command, model, versions, seeds, threads), ``<name>.md`` and its PNG figure, each atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+__all__ = ["add_eval_commands"]
+
+DEFAULT_SCHEMES = ("dynamic,hf-quanto-int4,hf-fp8,asymkv,asymkv-fp8,k4v4-sym,k4v8-inverted,int8-per-tensor,"
+                   "asymkv-sinks4,asymkv-w32,asymkv-w512")
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    return values
+
+
+def _prepare(args, needs_text: bool):
+    """Checks that need no model, then threads, model and the schemes it supports.
+
+    Returns:
+        ``(model, tokenizer, schemes, skipped, text, text_source)``.
+    """
+    from ..cli import _load, _set_threads
+    from .common import check_schemes, schemes_for
+    from .haystack import load_text
+    from .plots import require_matplotlib
+
+    schemes = check_schemes([s for s in args.schemes.split(",") if s])
+    text, source = load_text(args.text_file) if needs_text else (None, None)
+    if args.out:
+        require_matplotlib()  # fail now, not after an hour of measuring
+    _set_threads(args.threads)
+    model, tokenizer = _load(args)
+    schemes, skipped = schemes_for(model.config, schemes)
+    return model, tokenizer, schemes, skipped, text, source
+
+
+def _meta(args, model, seconds: float, **settings) -> dict:
+    from ..cli import _command
+    from .common import run_meta
+
+    return run_meta(model, args.model, _command(args), seconds=round(seconds, 1), **settings)
+
+
+def _write_md(path: Path, meta: dict, table: str) -> None:
+    from ..fileio import atomic_write_text
+
+    atomic_write_text(path, f"Command: `{meta['command']}`\n\n{table}\n")
+
+
+def _cmd_needle(args) -> int:
+    from .needle import TASKS
+    from .plots import plot_needle_heatmaps
+    from .report import needle_markdown, write_json
+    from .retrieval import accuracy_table, heatmap_grid, run_needle
+
+    tasks = [t for t in args.tasks.split(",") if t]
+    if bad := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"--tasks: unknown task(s) {bad}; known tasks: {list(TASKS)}")
+    if bad := [d for d in args.depths if not 0.0 <= d <= 1.0]:
+        raise ValueError(f"--depths must be in [0, 1], got {bad}")
+    if args.text_file is not None and args.haystack != "text":
+        raise ValueError(f"--haystack-file is the text haystack's source; add --haystack text "
+                         f"(got --haystack {args.haystack})")
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.haystack == "text")
+    start = time.perf_counter()
+    rows = run_needle(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples, args.haystack, text,
+                      args.seed, show_progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
+    agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
+                 for s in schemes}
+    table = needle_markdown(by_length, by_task, args.lengths, tasks, agreement, skipped)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        grids = {s: heatmap_grid(rows, s, args.lengths, args.depths) for s in schemes}
+        meta = _meta(args, model, seconds, haystack=args.haystack, text_source=source, seed=args.seed,
+                     samples=args.samples)
+        write_json(out / "needle.json", {
+            "meta": meta, "schemes": schemes, "skipped": skipped, "lengths": args.lengths, "depths": args.depths,
+            "tasks": tasks, "accuracy_by_length": by_length, "accuracy_by_task": by_task,
+            "same_tokens_as_full": agreement, "heatmaps": grids, "rows": [asdict(r) for r in rows]})
+        _write_md(out / "needle.md", meta, table)
+        plot_needle_heatmaps(grids, args.lengths, args.depths,
+                             f"{args.model.split('/')[-1]}: needle accuracy ({args.haystack} haystack, "
+                             f"{', '.join(tasks)})", out / "needle_heatmaps.png")
+    return 0
+
+
+def _cmd_attention(args) -> int:
+    from .attention import induction_scores, run_attention
+    from .plots import plot_attention_layers
+    from .report import attention_markdown, write_json
+
+    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False)
+    start = time.perf_counter()
+    rows = run_attention(model, tokenizer, schemes, args.length, args.samples, args.queries, seed=args.seed,
+                         show_progress=not args.quiet)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else None
+    induction = induction_scores(model, seed=args.seed, prefix_ids=bos)
+    seconds = time.perf_counter() - start
+    table = attention_markdown(rows, induction, skipped)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        meta = _meta(args, model, seconds, length=args.length, samples=args.samples, queries=args.queries,
+                     seed=args.seed)
+        write_json(out / "attention.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
+                                            "induction": induction, "rows": [asdict(r) for r in rows]})
+        _write_md(out / "attention.md", meta, table)
+        plot_attention_layers(rows, induction, f"{args.model.split('/')[-1]}, {args.length} tokens, last "
+                              f"{args.queries} queries", out / "attention_layers.png")
+    return 0
+
+
+def _cmd_ppl(args) -> int:
+    from .ppl import run_ppl
+    from .report import ppl_markdown, write_json
+
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, True)
+    start = time.perf_counter()
+    rows = run_ppl(model, tokenizer, schemes, text, args.length, args.windows, args.prefix, args.chunk,
+                   show_progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    table = ppl_markdown(rows, skipped)
+    print(table)
+    if args.out:
+        meta = _meta(args, model, seconds, text_source=source, length=args.length, windows=args.windows,
+                     prefix=args.prefix or args.length // 2, chunk=args.chunk)
+        write_json(Path(args.out) / "ppl.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
+                                                 "rows": [asdict(r) for r in rows]})
+        _write_md(Path(args.out) / "ppl.md", meta, table)
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from ..fileio import atomic_write_text
+    from .report import read_results, summary_markdown
+
+    table = summary_markdown(*read_results(args.folder))
+    print(table)
+    atomic_write_text(Path(args.folder).expanduser() / "summary.md", table + "\n")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None) -> None:
+    from ..cli import _add_model_args
+
+    _add_model_args(p)
+    p.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated scheme names (dynamic is always "
+                   "added first as the reference; schemes a model cannot use are listed as skipped)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help=f"folder for {name}.json, {name}.md and the figure")
+    if text_flag:
+        p.add_argument(text_flag, dest="text_file", default=None, help="local UTF-8 text file (default: the "
+                       "built-in corpus, Python's pydoc_data.topics)")
+
+
+def add_eval_commands(evals) -> None:
+    """Add ``needle``, ``attention``, ``ppl`` and ``report`` to the ``eval`` subparsers."""
+    from ..cli import _int_list
+
+    e = evals.add_parser("needle", help="RULER-style needle retrieval grid (length x depth x task) per scheme")
+    _common(e, "needle", "--haystack-file")
+    e.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096, 8192],
+                   help="token budgets, prompt + answer (default 1024,2048,4096,8192)")
+    e.add_argument("--depths", type=_float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
+    e.add_argument("--tasks", default="single,multikey,multivalue,multiquery", help="comma-separated tasks")
+    e.add_argument("--samples", type=int, default=1, help="prompts per (length, depth, task) cell (default 1)")
+    e.add_argument("--haystack", default="noise", choices=["noise", "needles", "text"],
+                   help="filler: repeated noise, distractor needles, or natural text (--haystack-file)")
+    e.set_defaults(func=_cmd_needle)
+
+    e = evals.add_parser("attention", help="per-layer attention KL and top-k overlap vs full precision")
+    _common(e, "attention")
+    e.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    e.add_argument("--samples", type=int, default=2, help="prompts, needle depths spread (default 2)")
+    e.add_argument("--queries", type=int, default=32, help="last prompt tokens whose attention is compared")
+    e.set_defaults(func=_cmd_attention)
+
+    e = evals.add_parser("ppl", help="perplexity through each scheme's quantized history, on long text")
+    _common(e, "ppl", "--text-file")
+    e.add_argument("--length", type=int, default=4096, help="window length in tokens (default 4096)")
+    e.add_argument("--windows", type=int, default=2, help="windows at evenly spaced text offsets (default 2)")
+    e.add_argument("--prefix", type=int, default=None, help="tokens prefilled before scoring (default length/2)")
+    e.add_argument("--chunk", type=int, default=64, help="tokens per scoring call (default 64)")
+    e.set_defaults(func=_cmd_ppl)
+
+    e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")
+    e.add_argument("folder", help="an --out folder holding needle.json / attention.json / ppl.json")
+    e.set_defaults(func=_cmd_report)

@@ -1,0 +1,84 @@
+"""Helpers every model evaluation shares: scheme checks, length limits, progress bars, run metadata."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..schemes import make_cache, scheme_names
+
+__all__ = ["check_length", "check_schemes", "max_positions", "progress", "run_meta", "schemes_for"]
+
+
+def check_schemes(schemes: list[str]) -> list[str]:
+    """The scheme list with ``dynamic`` first (every comparison needs the full-precision reference).
+
+    Raises:
+        ValueError: an unknown or repeated name (the message lists the known ones).
+    """
+    known = scheme_names()
+    bad = [s for s in schemes if s not in known]
+    if bad:
+        raise ValueError(f"unknown cache scheme(s) {bad}; known schemes: {known}")
+    if len(set(schemes)) != len(schemes):
+        raise ValueError(f"cache schemes repeated in {schemes}")
+    return ["dynamic", *[s for s in schemes if s != "dynamic"]]
+
+
+def schemes_for(config, schemes: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Split ``schemes`` into those that can build a cache for ``config`` and those that cannot (with why).
+
+    transformers' ``QuantizedCache`` refuses models with sliding-window layers (Gemma-3): those schemes are
+    reported as skipped rather than failing the whole run.
+    """
+    usable, skipped = [], {}
+    for name in schemes:
+        try:
+            make_cache(name, config)
+        except ValueError as exc:
+            skipped[name] = str(exc).splitlines()[0]
+        else:
+            usable.append(name)
+    return usable, skipped
+
+
+def max_positions(model) -> int | None:
+    """The model's ``max_position_embeddings`` (text decoder), or None when it declares none."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def check_length(model, length: int, what: str = "--lengths") -> None:
+    """Raise ``ValueError`` when ``length`` tokens exceed the model's position limit."""
+    limit = max_positions(model)
+    if limit and length > limit:
+        raise ValueError(f"{what}: {length} tokens exceed the model's max_position_embeddings ({limit})")
+
+
+def progress(items: Iterable, total: int | None = None, desc: str = "", enabled: bool = True) -> Iterator:
+    """``tqdm`` over ``items`` when tqdm is installed and ``enabled`` (on stderr); the plain iterable otherwise."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            pass
+        else:
+            return iter(tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True))
+    return iter(items)
+
+
+def run_meta(model, model_name: str, command: str | None, **settings) -> dict:
+    """What a result file needs to be rerun and trusted: command, model, dtype, threads, library versions."""
+    import transformers
+
+    from .. import __version__
+
+    return {"command": command, "model": model_name, "model_class": type(model).__name__,
+            "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "versions": {"hf_asymkv": __version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": sys.version.split()[0]},
+            "machine": platform.machine(), "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            **settings}

@@ -1,0 +1,94 @@
+"""Figures of the evaluations, written as PNG files. matplotlib is imported only when a figure is drawn."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..fileio import atomic_write
+
+__all__ = ["MissingExtraError", "plot_attention_layers", "plot_needle_heatmaps", "require_matplotlib"]
+
+
+class MissingExtraError(ImportError):
+    """A package of the ``eval`` extra (matplotlib, for figures) is not installed."""
+
+
+def require_matplotlib():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend.
+
+    Raises:
+        MissingExtraError: matplotlib is not installed (the message names the install command).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingExtraError('figures need matplotlib: pip install "hf_asymkv[eval]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    plt = require_matplotlib()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+    plt.close(fig)
+    return path
+
+
+def plot_needle_heatmaps(grids: dict[str, list[list[float]]], lengths: list[int], depths: list[float],
+                         title: str, path: Path) -> Path:
+    """One accuracy heatmap (depth rows x length columns, 0..1) per scheme, in a grid of panels."""
+    plt = require_matplotlib()
+    n = len(grids)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig.subplots_adjust(hspace=0.5, wspace=0.3)
+    for ax, (scheme, grid) in zip(axes.flat, grids.items()):
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(scheme, fontsize=9)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        for (i, j), value in _cells(grid):
+            ax.text(j, i, "-" if math.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.supxlabel("context length (tokens)", fontsize=9)
+    fig.supylabel("needle depth", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.colorbar(im, ax=axes, shrink=0.6, label="accuracy")
+    return _save(fig, path)
+
+
+def _cells(grid: list[list[float]]):
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            yield (i, j), value
+
+
+def plot_attention_layers(rows, induction: list[float] | None, title: str, path: Path) -> Path:
+    """Per-layer KL (log scale) and top-8/top-32 overlap, one line per scheme; induction score shaded."""
+    plt = require_matplotlib()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    layers = range(len(rows[0].kl))
+    for r in rows[1:]:  # rows[0] is the reference (zero damage)
+        axes[0].plot(layers, [max(x, 1e-9) for x in r.kl], marker=".", label=r.scheme)
+        axes[1].plot(layers, r.topk["8"], marker=".", label=r.scheme)
+        axes[2].plot(layers, r.topk["32"], marker=".", label=r.scheme)
+    axes[0].set_yscale("log")
+    for ax, label in zip(axes, ("KL(full || scheme), nats", "top-8 overlap", "top-32 overlap")):
+        ax.set_xlabel("layer")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if induction is not None:
+            twin = ax.twinx()
+            twin.bar(layers, induction, color="grey", alpha=0.15, width=0.9)
+            twin.set_ylim(0, 1)
+            twin.set_yticks([])
+    axes[2].legend(fontsize=7, loc="lower left")
+    fig.suptitle(title + ("  (grey bars: induction score of the layer's best head)" if induction else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)

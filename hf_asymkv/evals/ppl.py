@@ -1,0 +1,118 @@
+"""Perplexity on long natural text, each token scored against its scheme's quantized history.
+
+A window of ``length`` tokens is cut from the text; its first ``prefix`` tokens are prefilled once with
+``DynamicCache`` and handed to each scheme as a real prefill would leave them; the rest is then fed in
+chunks of ``chunk`` tokens, so every scored token attends to history the scheme has already stored (in
+the same call a cache returns its new tokens exact, which would hide the damage). Scored: the next-token
+log-likelihood of every token after the prefix. Several windows are taken at evenly spaced offsets.
+
+The default text is the built-in corpus of :mod:`.haystack` (Python's documentation topics, offline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..evaluate import cache_from_prefix
+from ..schemes import make_cache
+from .common import check_length, progress
+
+__all__ = ["PplRow", "run_ppl", "text_windows"]
+
+
+@dataclass
+class PplRow:
+    """One scheme's perplexity over every scored token of every window."""
+
+    scheme: str
+    nll: float  # mean negative log-likelihood, nats/token
+    ppl: float
+    delta_ppl: float  # ppl - full-precision ppl
+    delta_pct: float  # 100 * delta / full-precision ppl
+    top1_agree: float  # fraction of positions whose argmax equals full precision's
+    tokens: int
+
+
+def text_windows(tokenizer, text: str, length: int, windows: int) -> list[torch.Tensor]:
+    """``windows`` ``[1, length]`` id windows at evenly spaced offsets of the tokenized text.
+
+    Raises:
+        ValueError: the text holds fewer than ``length`` tokens.
+    """
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None:  # every window starts like a document (Gemma needs its BOS as attention sink)
+        length -= 1
+    n = ids.shape[1]
+    if n < length:
+        raise ValueError(f"the text has {n} tokens, fewer than --length {length}; give a longer --text-file")
+    step = (n - length) // max(windows - 1, 1)
+    out = []
+    for w in range(windows):
+        window = ids[:, w * step : w * step + length]
+        if bos is not None:
+            window = torch.cat([torch.tensor([[bos]], dtype=window.dtype), window], dim=1)
+        out.append(window)
+    return out
+
+
+@torch.no_grad()
+def _score(model, cache, ids: torch.Tensor, start: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed ``ids[:, start:]`` in chunks after ``cache``: ``(nll [n-1], argmax [n-1])`` of tokens ``start+1..``."""
+    nll, top = [], []
+    for s in range(start, ids.shape[1], chunk):
+        piece = ids[:, s : s + chunk]
+        logits = model(input_ids=piece, cache=cache, use_cache=True).logits[0].float()
+        targets = ids[0, s + 1 : s + 1 + piece.shape[1]]
+        logits = logits[: targets.shape[0]]
+        nll.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
+        top.append(logits.argmax(-1))
+    return torch.cat(nll), torch.cat(top)
+
+
+def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, windows: int = 2, prefix: int | None = None,
+            chunk: int = 64, show_progress: bool = True) -> list[PplRow]:
+    """Perplexity per scheme over ``windows`` windows of ``length`` tokens (``schemes[0]`` = ``dynamic``).
+
+    Args:
+        prefix: tokens prefilled in full precision and handed over (default ``length // 2``); the
+            ``length - prefix - 1`` tokens after it are scored.
+        chunk: tokens per scoring call.
+
+    Raises:
+        ValueError: a length over the model's limit, too short a text, bad prefix/chunk/windows.
+    """
+    check_length(model, length, "--length")
+    prefix = length // 2 if prefix is None else prefix
+    if not 1 <= prefix <= length - 2:
+        raise ValueError(f"--prefix must be in [1, {length - 2}], got {prefix}")
+    if chunk < 1 or windows < 1:
+        raise ValueError(f"--chunk and --windows must be >= 1, got {chunk} and {windows}")
+    if schemes[0] != "dynamic":
+        raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
+    nll: dict[str, list[torch.Tensor]] = {s: [] for s in schemes}
+    agree: dict[str, list[torch.Tensor]] = {s: [] for s in schemes}
+    for ids in progress(text_windows(tokenizer, text, length, windows), total=windows, desc="ppl windows",
+                        enabled=show_progress):
+        ids = ids.to(model.device)
+        prefilled = make_cache("dynamic", model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :prefix], cache=prefilled, use_cache=True, logits_to_keep=1)
+        ref_top = None
+        for name in schemes:
+            cache = cache_from_prefix(make_cache(name, model.config), prefilled)
+            losses, top = _score(model, cache, ids, prefix, chunk)
+            ref_top = top if ref_top is None else ref_top
+            nll[name].append(losses)
+            agree[name].append((top == ref_top).float())
+    rows = []
+    base = math.exp(float(torch.cat(nll[schemes[0]]).mean()))
+    for name in schemes:
+        mean_nll = float(torch.cat(nll[name]).mean())
+        ppl = math.exp(mean_nll)
+        rows.append(PplRow(name, mean_nll, ppl, ppl - base, 100 * (ppl - base) / base,
+                           float(torch.cat(agree[name]).mean()), int(torch.cat(nll[name]).numel())))
+    return rows
