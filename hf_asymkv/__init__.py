@@ -3,10 +3,11 @@
 Keys are stored 8-bit per channel (INT8 or FP8), values 4-bit per token, the newest tokens exact.
 """
 
+from .attention import register as register_attention
 from .cache import AsymKVCache
 from .layer import AsymKVLayer
 from .quant import QuantSpec
 from .scales import KVScales
 
-__all__ = ["AsymKVCache", "AsymKVLayer", "KVScales", "QuantSpec", "__version__"]
+__all__ = ["AsymKVCache", "AsymKVLayer", "KVScales", "QuantSpec", "__version__", "register_attention"]
 __version__ = "0.1.0"

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, get_layer_types_and_kwargs
 
+from .attention import ATTN_IMPLEMENTATION
 from .layer import OVERFLOW_POLICIES, AsymKVLayer
 from .quant import GRANULARITIES, QuantSpec
 from .scales import KVScales
@@ -103,6 +104,9 @@ class AsymKVCache(Cache):
         cache = AsymKVCache(model.config)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
         cache.memory_footprint()["total"], cache.stats()["tokens_quantized"]
+
+    When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.attention.register`),
+    the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
     """
 
     def __init__(
@@ -188,6 +192,9 @@ class AsymKVCache(Cache):
             value_symmetric=value_symmetric, overflow_policy=overflow_policy, growth_factor=growth_factor,
             max_growth_tokens=max_growth_tokens,
         )  # fmt: skip
+        # Decided once, here: the fused attention takes QuantizedKV, every other attention needs dense K/V.
+        self.fused_attention = ATTN_IMPLEMENTATION in (getattr(config, "_attn_implementation", None),
+                                                       getattr(text_config, "_attn_implementation", None))
         layers = self._build_layers(text_config, layer_types, key_absmax or {})
         super().__init__(layers=layers)
 
@@ -236,7 +243,7 @@ class AsymKVCache(Cache):
                     residual_length=s["residual_length"], sink_tokens=s["sink_tokens"],
                     growth_factor=s["growth_factor"], max_growth_tokens=s["max_growth_tokens"],
                     key_absmax=key_absmax.get(i),
-                    overflow_policy=s["overflow_policy"],
+                    overflow_policy=s["overflow_policy"], return_views=self.fused_attention,
                 ))  # fmt: skip
             else:
                 layers.append(fallback[i])

@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .attention import QuantizedKV
 from .quant import QuantSpec, compute_scale_zero, dequantize, quantize, scale_from_absmax
 
 __all__ = ["AsymKVLayer", "OVERFLOW_POLICIES"]
@@ -89,6 +90,8 @@ class AsymKVLayer(CacheLayerMixin):
             block uses the calibrated scale unless a value exceeds it, then ``overflow_policy`` applies.
         overflow_policy: ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate,
             counted) or ``"error"`` (raise ``ValueError``).
+        return_views: hand attention :class:`~hf_asymkv.attention.QuantizedKV` instead of dense K/V once
+            anything is quantized (for ``attn_implementation="asymkv_sdpa"`` only).
     """
 
     is_sliding = False
@@ -107,8 +110,10 @@ class AsymKVLayer(CacheLayerMixin):
         max_growth_tokens: int = 256,
         key_absmax: torch.Tensor | None = None,
         overflow_policy: str = "widen",
+        return_views: bool = False,
     ):
         super().__init__()
+        self.return_views = return_views
         self.key_spec, self.value_spec = key_spec, value_spec
         self.block_size, self.residual_length, self.sink_tokens = block_size, residual_length, sink_tokens
         self.growth_factor, self.max_growth_tokens = growth_factor, max_growth_tokens
@@ -185,9 +190,9 @@ class AsymKVLayer(CacheLayerMixin):
             self._win_k.truncate(0), self._win_v.truncate(0)
             self._win_k.append(tail_k[:, :, n_flush:], self.growth_factor)
             self._win_v.append(tail_v[:, :, n_flush:], self.growth_factor)
-        keys = self._dense(self._sink_k, self._kq, self._ks, self._kz, self.key_spec, nq_before, tail_k)
-        values = self._dense(self._sink_v, self._vq, self._vs, self._vz, self.value_spec, nq_before, tail_v)
-        return keys, values
+        (k_parts, k_spec, _), (v_parts, v_spec, _) = self._quantized_parts()
+        return (self._read(self._sink_k, k_parts, k_spec, nq_before, tail_k),
+                self._read(self._sink_v, v_parts, v_spec, nq_before, tail_v))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -315,25 +320,24 @@ class AsymKVLayer(CacheLayerMixin):
                 calib = torch.maximum(block_amax, calib)
         return scale_from_absmax(calib.expand(b, h, t // self.block_size, d), self.key_spec)
 
-    def _dense(self, sink: _Buffer, codes: _Buffer, scales: _Buffer, zeros: _Buffer, spec: QuantSpec,
-               n_old: int, tail: torch.Tensor) -> torch.Tensor:
-        """``[B, H, seq, D]``: sinks + the first ``n_old`` quantized tokens dequantized + ``tail`` (exact)."""
-        ns = sink.length
-        if ns == 0 and n_old == 0:
-            # A copy: `tail` may be a view of the window buffer, which later flushes rewrite in place; the
-            # caller must be able to keep what it was given (bounded: at most the window + this update).
+    def _read(self, sink: _Buffer, parts: tuple[_Buffer, _Buffer, _Buffer], spec: QuantSpec, n_old: int,
+              tail: torch.Tensor) -> torch.Tensor | QuantizedKV:
+        """What attention gets: sinks + the first ``n_old`` quantized tokens + ``tail`` (exact), ``[B, H, seq, D]``.
+
+        Dense (one vectorized decode into a fresh tensor), or with ``return_views`` the stored parts as a
+        :class:`~hf_asymkv.attention.QuantizedKV` for the fused attention. ``tail`` may be a view of the window
+        buffer, which later flushes rewrite in place: what is handed out never aliases it.
+        """
+        if n_old == 0:
+            if sink.length:
+                return torch.cat([sink.live, tail], dim=2)
             return tail.clone() if tail._base is not None else tail
-        b, h, n_tail, d = tail.shape
-        out = tail.new_empty(b, h, ns + n_old + n_tail, d)
-        if ns:
-            out[:, :, :ns] = sink.live
-        if n_old:
-            rows = n_old // spec.groups(d, self.block_size)[0]
-            z = zeros.live[:, :, :rows] if zeros.length else None
-            dequantize(codes.live[:, :, :n_old], scales.live[:, :, :rows], z, spec, self.block_size,
-                       dtype=out.dtype, out=out[:, :, ns : ns + n_old])
-        out[:, :, ns + n_old :] = tail
-        return out
+        codes, scales, zeros = parts
+        rows = n_old // spec.groups(tail.shape[-1], self.block_size)[0]
+        kv = QuantizedKV(sink.live if sink.length else None, codes.live[:, :, :n_old], scales.live[:, :, :rows],
+                         zeros.live[:, :, :rows] if zeros.length else None, spec, self.block_size,
+                         tail.clone() if self.return_views and tail._base is not None else tail)
+        return kv if self.return_views else kv.dense()
 
     @staticmethod
     def _truncate(k_buf: _Buffer, v_buf: _Buffer, length: int) -> None:

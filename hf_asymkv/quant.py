@@ -30,6 +30,7 @@ __all__ = [
     "compute_scale_zero",
     "quantize",
     "dequantize",
+    "decode_codes",
     "pack_bits",
     "unpack_bits",
     "sqnr_db",
@@ -259,25 +260,36 @@ def dequantize(
     plane is one shift-and-mask written into a contiguous slice. In float32 the result is exact to one
     rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once).
     """
-    per_byte = 1 if spec.is_float else 8 // spec.bits
-    b, h, t, packed = codes.shape
-    head_dim = packed * per_byte
-    if out is None:
-        out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
-    if per_byte == 1:
-        out.copy_(codes)
-    else:
-        mask = (1 << spec.bits) - 1
-        for j in range(per_byte):
-            plane = codes >> (j * spec.bits) if j else codes
-            out[..., j * packed : (j + 1) * packed].copy_(plane & mask if j < per_byte - 1 else plane)
-        if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
-            out.sub_(2 ** (spec.bits - 1))
+    out = decode_codes(codes, spec, dtype=dtype, out=out)
+    head_dim = out.shape[-1]
     tg, cg = spec.groups(head_dim, block_size)
     dest = _grouped(out, tg, cg)
     dest.mul_(_bcast(scale).to(dtype))
     if zero is not None:
         dest.add_(_bcast(zero).to(dtype))
+    return out
+
+
+def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = torch.float32,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored codes -> the integer (or fp8) code values in ``dtype``, before scale and zero: ``[B, H, T, D]``.
+
+    Sub-byte planes (:func:`pack_bits`) are shifted, masked and converted straight into contiguous slices of
+    ``out``; symmetric sub-byte codes get their storage offset removed. Integers up to 8 bits are exact in
+    every float dtype.
+    """
+    per_byte = 1 if spec.is_float else 8 // spec.bits
+    b, h, t, packed = codes.shape
+    if out is None:
+        out = torch.empty(b, h, t, packed * per_byte, dtype=dtype, device=codes.device)
+    if per_byte == 1:
+        return out.copy_(codes)
+    mask = (1 << spec.bits) - 1
+    for j in range(per_byte):
+        plane = codes >> (j * spec.bits) if j else codes
+        out[..., j * packed : (j + 1) * packed].copy_(plane & mask if j < per_byte - 1 else plane)
+    if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
+        out.sub_(2 ** (spec.bits - 1))
     return out
 
 
