@@ -12,3 +12,18 @@ def greedy_with_logits(model, prompt: torch.Tensor, cache, n: int = 16) -> tuple
         out = model.generate(prompt, cache=cache, max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
                              output_logits=True)
     return out.sequences, torch.stack(out.logits)
+
+
+def char_tokenizer():
+    """An offline character-level tokenizer for the tiny models: ids 3..98 are printable ASCII and newline
+    (inside the 256-token vocabulary), 0/1/2 are unk/bos/eos; decoding joins characters back exactly."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    core = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")

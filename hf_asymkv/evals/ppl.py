@@ -44,15 +44,15 @@ def text_windows(tokenizer, text: str, length: int, windows: int) -> list[torch.
     """
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     bos = tokenizer.bos_token_id
-    if bos is not None:  # every window starts like a document (Gemma needs its BOS as attention sink)
-        length -= 1
+    # every window starts like a document (Gemma needs its BOS as attention sink)
+    need = length - (bos is not None)
     n = ids.shape[1]
-    if n < length:
+    if n < need:
         raise ValueError(f"the text has {n} tokens, fewer than --length {length}; give a longer --text-file")
-    step = (n - length) // max(windows - 1, 1)
+    step = (n - need) // max(windows - 1, 1)
     out = []
     for w in range(windows):
-        window = ids[:, w * step : w * step + length]
+        window = ids[:, w * step : w * step + need]
         if bos is not None:
             window = torch.cat([torch.tensor([[bos]], dtype=window.dtype), window], dim=1)
         out.append(window)
