@@ -79,9 +79,10 @@ def test_attention_ppl_and_report(models, tmp_path, capsys):
                                        "| Δppl % |")
     assert len(summary.splitlines()) == 2 + 3
     assert (tmp_path / "summary.md").read_text() == summary
+    for figure in ("attention_layers.png", "ppl.png", "summary.png", "needle_heatmaps.png"):
+        assert (tmp_path / figure).read_bytes().startswith(PNG_MAGIC)
     attention = json.loads((tmp_path / "attention.json").read_text())
     assert len(attention["induction"]) == 2 and len(attention["rows"][1]["kl"]) == 2
-    assert (tmp_path / "attention_layers.png").read_bytes().startswith(PNG_MAGIC)
     ppl = json.loads((tmp_path / "ppl.json").read_text())
     assert ppl["meta"]["text_source"] == str(models["text"]) and ppl["rows"][0]["delta_ppl"] == 0.0
 

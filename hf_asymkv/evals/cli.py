@@ -144,16 +144,34 @@ def _cmd_ppl(args) -> int:
         write_json(Path(args.out) / "ppl.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                                  "rows": [asdict(r) for r in rows]})
         _write_md(Path(args.out) / "ppl.md", meta, table)
+        _plot_ppl(Path(args.out), meta["model"], [asdict(r) for r in rows], args.length)
     return 0
+
+
+def _plot_ppl(folder: Path, model: str, rows: list[dict], length: int) -> None:
+    from .plots import plot_ppl
+
+    plot_ppl(rows, f"{model.split('/')[-1]}: perplexity through each scheme ({length}-token windows)",
+             folder / "ppl.png")
 
 
 def _cmd_report(args) -> int:
     from ..fileio import atomic_write_text
+    from .plots import plot_summary
     from .report import read_results, summary_markdown
 
-    table = summary_markdown(*read_results(args.folder))
+    folder = Path(args.folder).expanduser()
+    needle, attention, ppl = read_results(folder)
+    table = summary_markdown(needle, attention, ppl)
     print(table)
-    atomic_write_text(Path(args.folder).expanduser() / "summary.md", table + "\n")
+    atomic_write_text(folder / "summary.md", table + "\n")
+    if ppl:  # redrawn from the JSON, so a folder from an older run gets the figure too
+        _plot_ppl(folder, ppl["meta"]["model"], ppl["rows"], ppl["meta"]["length"])
+    if needle and ppl:
+        delta = {r["scheme"]: r["delta_pct"] for r in ppl["rows"]}
+        points = {s: (delta[s], acc["all"]) for s, acc in needle["accuracy_by_length"].items() if s in delta}
+        plot_summary(points, f"{needle['meta']['model'].split('/')[-1]}: perplexity misses what retrieval shows",
+                     folder / "summary.png")
     return 0
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..fileio import atomic_write
 
-__all__ = ["MissingExtraError", "plot_attention_layers", "plot_needle_heatmaps", "require_matplotlib"]
+__all__ = ["MissingExtraError", "plot_attention_layers", "plot_needle_heatmaps", "plot_ppl", "plot_summary",
+           "require_matplotlib"]
 
 
 class MissingExtraError(ImportError):
@@ -90,5 +91,39 @@ def plot_attention_layers(rows, induction: list[float] | None, title: str, path:
     axes[2].legend(fontsize=7, loc="lower left")
     fig.suptitle(title + ("  (grey bars: induction score of the layer's best head)" if induction else ""),
                  fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_ppl(rows: list[dict], title: str, path: Path) -> Path:
+    """Bars: perplexity change (%) against full precision and next-token top-1 agreement, per scheme."""
+    plt = require_matplotlib()
+    rows = [r for r in rows if r["scheme"] != "dynamic"]
+    names = [r["scheme"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    axes[0].barh(names, [r["delta_pct"] for r in rows], color="tab:blue")
+    axes[0].set_xlabel("Δ perplexity vs full precision, %")
+    axes[1].barh(names, [100 * (1 - r["top1_agree"]) for r in rows], color="tab:orange")
+    axes[1].set_xlabel("next-token argmax differs from full precision, % of positions")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    axes[1].set_yticks([])
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_summary(points: dict[str, tuple[float, float]], title: str, path: Path) -> Path:
+    """Scatter: Δppl % (x) against needle accuracy (y), one labelled point per scheme."""
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, (delta, acc) in points.items():
+        ax.scatter(delta, 100 * acc, s=30)
+        ax.annotate(name, (delta, 100 * acc), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("Δ perplexity vs full precision, %")
+    ax.set_ylabel("needle accuracy, %")
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
