@@ -1,8 +1,7 @@
-"""Measurements per cache scheme, always beside ``DynamicCache`` in the same process, as ratios.
+"""KV memory per cache scheme, always beside ``DynamicCache`` in the same process, as ratios (``hf-asymkv memory``).
 
-- Memory (``hf-asymkv memory``): real cache bytes after a prefill and after some decode steps. All schemes
-  store the same K/V tensors (recorded once from the model), in the same storage dtype (bf16 by default).
-- Speed (``hf-asymkv bench``): prefill seconds and decode ms/token, schemes interleaved within each repeat.
+Real cache bytes after a prefill and after some decode steps. All schemes store the same K/V tensors (recorded
+once from the model), in the same storage dtype (bf16 by default). Speed lives in :mod:`hf_asymkv.speed`.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ import json
 from dataclasses import asdict, dataclass
 
 import torch
-
-from .fileio import atomic_write_text
 from transformers.cache_utils import DynamicCache
 
+from .fileio import atomic_write_text
 from .memory import cache_nbytes
 from .schemes import make_cache
 
@@ -113,67 +111,3 @@ def format_memory_table(rows: list[MemoryRow]) -> str:
 
 def save_rows(rows: list[MemoryRow], path, meta: dict) -> None:
     atomic_write_text(path, json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-
-
-@dataclass
-class SpeedRow:
-    scheme: str
-    context: int
-    decode_ms_median: float
-    decode_ms_max: float
-    steps: int
-    repeats: int
-    ratio_vs_dynamic: float = 0.0  # this scheme's median / DynamicCache's median
-    prefill_s_median: float = 0.0  # one forward pass over the whole context into this cache
-    prefill_ratio_vs_dynamic: float = 0.0
-
-
-@torch.no_grad()
-def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_tokens: int = 32, repeats: int = 3,
-                         seed: int = 0) -> list[SpeedRow]:
-    """Prefill seconds and decode ms/token for a ``length``-token context, per scheme, interleaved repeats.
-
-    Each repeat, for every scheme in turn: one timed prefill of the whole context into a fresh cache, one
-    untimed warm-up step, then ``new_tokens`` single-token forward passes timed one by one. Interleaving
-    the schemes within every repeat spreads a noisy machine's slow periods over all of them; medians over
-    all repeats are reported, with the worst decode step.
-    """
-    import statistics
-    import time
-
-    schemes = _with_baseline(schemes)
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for length in lengths:
-        ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(model.device)
-        times: dict[str, list[float]] = {name: [] for name in schemes}
-        prefill: dict[str, list[float]] = {name: [] for name in schemes}
-        for _ in range(repeats):
-            for name in schemes:
-                cache = make_cache(name, model.config)
-                start = time.perf_counter()
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                prefill[name].append(time.perf_counter() - start)
-                token = out.logits[:, -1:].argmax(-1)
-                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                for _ in range(new_tokens):
-                    start = time.perf_counter()
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                    times[name].append(time.perf_counter() - start)
-                    token = out.logits[:, -1:].argmax(-1)
-        base = statistics.median(times["dynamic"])
-        base_prefill = statistics.median(prefill["dynamic"])
-        for name in schemes:
-            med, pre = statistics.median(times[name]), statistics.median(prefill[name])
-            rows.append(SpeedRow(name, length, med * 1e3, max(times[name]) * 1e3, new_tokens, repeats, med / base,
-                                 pre, pre / base_prefill))
-    return rows
-
-
-def format_speed_table(rows: list[SpeedRow]) -> str:
-    lines = ["| scheme | context | prefill s | prefill x DynamicCache | decode ms/token (median) | worst step ms | "
-             "decode x DynamicCache |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r.scheme} | {r.context} | {r.prefill_s_median:.2f} | {r.prefill_ratio_vs_dynamic:.2f} | "
-                     f"{r.decode_ms_median:.1f} | {r.decode_ms_max:.1f} | {r.ratio_vs_dynamic:.2f} |")
-    return "\n".join(lines)

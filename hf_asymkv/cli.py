@@ -211,23 +211,30 @@ def _cmd_bench(args) -> int:
 
     import torch
 
-    from .bench import format_speed_table, measure_decode_speed
     from .fileio import atomic_write_text
+    from .schemes import scheme_names
+    from .speed import format_speed_table, measure_decode_speed, plot_speed
 
     if args.new_tokens < 1 or args.repeats < 1:
         raise ValueError(f"--new-tokens and --repeats must be >= 1, got {args.new_tokens} and {args.repeats}")
+    schemes = args.schemes.split(",")
+    for name in schemes:  # a typo fails before the (slow) model load
+        if name not in scheme_names():
+            raise ValueError(f"Unknown cache scheme {name!r}; known schemes: {scheme_names()}.")
     _set_threads(args.threads)
     model, _ = _load(args)
-    rows = measure_decode_speed(model, args.schemes.split(","), args.lengths, new_tokens=args.new_tokens,
-                                repeats=args.repeats)
+    rows = measure_decode_speed(model, schemes, args.lengths, new_tokens=args.new_tokens,
+                                repeats=args.repeats, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     table = format_speed_table(rows)
     print(table)
     if args.out:
         meta = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
-                "command": _command(args)}
-        atomic_write_text(Path(args.out) / "decode_speed.json",
-                          json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
-        atomic_write_text(Path(args.out) / "decode_speed.md", table + "\n")
+                "torch": torch.__version__, "command": _command(args)}
+        out = Path(args.out)
+        atomic_write_text(out / "decode_speed.json", json.dumps(
+            {"meta": meta, "rows": [{**asdict(r), "spike_ratio": r.spike_ratio} for r in rows]}, indent=2))
+        atomic_write_text(out / "decode_speed.md", f"`{meta['command']}` ({meta['threads']} threads)\n\n{table}\n")
+        plot_speed(rows, out / "decode_speed.png", f"{args.model}, {args.dtype}, {meta['threads']} threads")
     return 0
 
 
@@ -279,14 +286,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_commands(evals)
 
-    p = sub.add_parser("bench", help="decode ms/token per cache scheme vs DynamicCache (interleaved repeats)")
+    p = sub.add_parser("bench", help="prefill s, decode ms/token, KV bytes and peak RSS per cache scheme vs "
+                                     "DynamicCache (interleaved repeats; JSON, markdown and PNG with --out)")
     _add_model_args(p)
-    p.add_argument("--lengths", type=_int_list, default=[1024, 4096], help="context lengths, e.g. 1024,4096")
-    p.add_argument("--schemes", default="dynamic,asymkv,hf-quanto-int4,hf-fp8", help="comma-separated scheme names")
+    p.add_argument("--lengths", type=_int_list, default=[1024, 4096],
+                   help="context lengths, e.g. 1024,4096,8192,16384 (default 1024,4096)")
+    p.add_argument("--schemes", default="dynamic,asymkv,asymkv-fused,hf-quanto-int4,hf-fp8",
+                   help="comma-separated scheme names (asymkv-fused switches the model to attn_implementation="
+                        "'asymkv_sdpa' while it runs)")
     p.add_argument("--new-tokens", type=int, default=32, help="timed decode steps per repeat (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", default=None, help="folder for decode_speed.json and decode_speed.md")
+    p.add_argument("--out", default=None, help="folder for decode_speed.json, decode_speed.md and decode_speed.png")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("memory", help="real KV bytes after a prefill, per cache scheme, vs DynamicCache")

@@ -7,14 +7,16 @@ at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale froze
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 
+from .attention import ATTN_IMPLEMENTATION, register
 from .cache import AsymKVCache
 
-__all__ = ["SCHEMES", "make_cache", "scheme_names"]
+__all__ = ["ATTENTION", "SCHEMES", "make_cache", "scheme_attention", "scheme_names"]
 
 Factory = Callable[[PreTrainedConfig], Cache]
 
@@ -26,6 +28,10 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
     "hf-fp8": ("transformers QuantizedCache fp8 (per-tensor scale frozen at prefill)", lambda c: QuantizedCache("fp8", c)),
     "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", lambda c: AsymKVCache(c)),
+    "asymkv-fused": (
+        "ours, defaults, with the fused attention over the codes (attn_implementation='asymkv_sdpa')",
+        lambda c: _fused_cache(c),
+    ),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", lambda c: AsymKVCache(c, key_format="fp8_e4m3")),
     "asymkv-sinks4": ("ours with 4 exact sink tokens", lambda c: AsymKVCache(c, sink_tokens=4)),
     "asymkv-w32": ("ours with a 32-token exact window", lambda c: AsymKVCache(c, residual_length=32)),
@@ -40,6 +46,34 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
         lambda c: AsymKVCache(c, key_granularity="tensor", value_bits=8, value_granularity="tensor", value_symmetric=True),
     ),
 }
+
+
+# Schemes that need the model's attention implementation switched while they run.
+ATTENTION = {"asymkv-fused": ATTN_IMPLEMENTATION}
+
+
+def _fused_cache(config: PreTrainedConfig) -> AsymKVCache:
+    cache = AsymKVCache(config)
+    if not cache.fused_attention:
+        raise ValueError("scheme 'asymkv-fused' needs the model on attn_implementation='asymkv_sdpa': build it "
+                         "inside `with scheme_attention(model, 'asymkv-fused'):`.")
+    return cache
+
+
+@contextlib.contextmanager
+def scheme_attention(model, name: str) -> Iterator[None]:
+    """Switch ``model`` to the attention implementation scheme ``name`` needs (if any), restore it after."""
+    wanted = ATTENTION.get(name)
+    before = model.config._attn_implementation
+    if wanted is None or wanted == before:
+        yield
+        return
+    register()
+    model.set_attn_implementation(wanted)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def scheme_names() -> list[str]:
