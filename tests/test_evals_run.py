@@ -191,6 +191,26 @@ def test_run_ppl_windows_and_bad_input(llama, tok):
 
 
 def test_hybrid_skips_transformers_quantized_caches(hybrid):
-    usable, skipped = schemes_for(hybrid.config, check_schemes(["asymkv", "hf-quanto-int4", "hf-fp8"]))
+    usable, skipped = schemes_for(hybrid, check_schemes(["asymkv", "hf-quanto-int4", "hf-fp8"]))
     assert usable == ["dynamic", "asymkv"]
     assert set(skipped) == {"hf-quanto-int4", "hf-fp8"} and "only supported" in skipped["hf-fp8"]
+
+
+def test_fused_scheme_is_tried_under_its_attention(llama, tok):
+    """asymkv-fused needs its attention implementation while its cache is built: schemes_for switches it (and
+    restores it); the attention eval refuses it, its kernel returns no probabilities."""
+    usable, skipped = schemes_for(llama, check_schemes(["asymkv", "asymkv-fused"]))
+    assert usable == ["dynamic", "asymkv", "asymkv-fused"] and skipped == {}
+    assert llama.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match=r"schemes \['asymkv-fused'\] run their own attention kernel"):
+        run_attention(llama, tok, usable, 600, samples=1, queries=16, show_progress=False)
+
+
+@pytest.mark.xfail(raises=RuntimeError, strict=True,
+                   reason="hf_asymkv/attention.py: the fused kernel's query .view() fails for a multi-token query "
+                          "after a prefill (the 16-token tail); decode steps (1 token) work")
+def test_fused_scheme_answers_like_asymkv(llama, tok):
+    rows = run_needle(llama, tok, ["dynamic", "asymkv", "asymkv-fused"], [600], [0.5], ["single"],
+                      show_progress=False)
+    by = {r.scheme: r for r in rows}
+    assert by["asymkv-fused"].tail_kl == pytest.approx(by["asymkv"].tail_kl, rel=1e-3, abs=1e-7)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..evaluate import cache_from_prefix, encode_prompt
-from ..schemes import make_cache
+from ..schemes import ATTENTION, make_cache
 from .common import check_length, progress
 from .haystack import split_sentences
 from .needle import make_task
@@ -133,6 +133,9 @@ def run_attention(model, tokenizer, schemes: list[str], length: int, samples: in
         raise ValueError(f"--queries must be in [1, {length // 2}], got {queries}")
     if schemes[0] != "dynamic":
         raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
+    if fused := [s for s in schemes if s in ATTENTION]:
+        raise ValueError(f"schemes {fused} run their own attention kernel, which returns no probabilities; "
+                         "measure the same cache through its eager scheme (e.g. asymkv)")
     sentences = split_sentences(text) if text is not None else None
     sums: dict[str, list[dict]] = {}
     for i in progress(range(samples), total=samples, desc="attention prompts", enabled=show_progress):

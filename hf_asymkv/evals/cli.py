@@ -44,7 +44,7 @@ def _prepare(args, needs_text: bool):
         require_matplotlib()  # fail now, not after an hour of measuring
     _set_threads(args.threads)
     model, tokenizer = _load(args)
-    schemes, skipped = schemes_for(model.config, schemes)
+    schemes, skipped = schemes_for(model, schemes)
     return model, tokenizer, schemes, skipped, text, source
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..schemes import make_cache, scheme_names
+from ..schemes import make_cache, scheme_attention, scheme_names
 
 __all__ = ["check_length", "check_schemes", "max_positions", "progress", "run_meta", "schemes_for"]
 
@@ -29,16 +29,18 @@ def check_schemes(schemes: list[str]) -> list[str]:
     return ["dynamic", *[s for s in schemes if s != "dynamic"]]
 
 
-def schemes_for(config, schemes: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Split ``schemes`` into those that can build a cache for ``config`` and those that cannot (with why).
+def schemes_for(model, schemes: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Split ``schemes`` into those that can build a cache for ``model`` and those that cannot (with why).
 
     transformers' ``QuantizedCache`` refuses models with sliding-window layers (Gemma-3): those schemes are
-    reported as skipped rather than failing the whole run.
+    reported as skipped rather than failing the whole run. Schemes that need their own attention
+    implementation are tried under it (:func:`hf_asymkv.schemes.scheme_attention`).
     """
     usable, skipped = [], {}
     for name in schemes:
         try:
-            make_cache(name, config)
+            with scheme_attention(model, name):
+                make_cache(name, model.config)
         except ValueError as exc:
             skipped[name] = str(exc).splitlines()[0]
         else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..evaluate import cache_from_prefix
-from ..schemes import make_cache
+from ..schemes import make_cache, scheme_attention
 from .common import check_length, progress
 
 __all__ = ["PplRow", "run_ppl", "text_windows"]
@@ -103,8 +103,9 @@ def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, window
             model(input_ids=ids[:, :prefix], cache=prefilled, use_cache=True, logits_to_keep=1)
         ref_top = None
         for name in schemes:
-            cache = cache_from_prefix(make_cache(name, model.config), prefilled)
-            losses, top = _score(model, cache, ids, prefix, chunk)
+            with scheme_attention(model, name):
+                cache = cache_from_prefix(make_cache(name, model.config), prefilled)
+                losses, top = _score(model, cache, ids, prefix, chunk)
             ref_top = top if ref_top is None else ref_top
             nll[name].append(losses)
             agree[name].append((top == ref_top).float())

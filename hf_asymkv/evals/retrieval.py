@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
-from ..schemes import make_cache
+from ..schemes import make_cache, scheme_attention
 from .common import check_length, progress
 from .haystack import split_sentences
 from .needle import TASKS, make_task, score_task
@@ -75,8 +75,9 @@ def _answer_all(model, tokenizer, task, schemes: list[str], sample: int) -> list
     model(input_ids=ids[:, :-TAIL], cache=prefilled, use_cache=True, logits_to_keep=1)
     rows, ref = [], None
     for name in schemes:
-        cache = cache_from_prefix(make_cache(name, model.config), prefilled)
-        logits, tokens = tail_and_decode(model, cache, ids[:, -TAIL:], task.max_new)
+        with scheme_attention(model, name):  # e.g. the fused attention of asymkv-fused
+            cache = cache_from_prefix(make_cache(name, model.config), prefilled)
+            logits, tokens = tail_and_decode(model, cache, ids[:, -TAIL:], task.max_new)
         del cache
         if ref is None:
             ref = (logits, tokens)
