@@ -127,8 +127,10 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
                          seed: int = 0, progress=None) -> list[SpeedRow]:
     """Prefill seconds, decode ms/token, KV bytes and peak RSS per scheme for each context length.
 
-    Each repeat runs every scheme in turn (``dynamic`` first) on the same random prompt; the medians over all
-    repeats' steps are reported with the worst step, and every ratio is against DynamicCache in this run.
+    After one untimed warm-up run per length, each repeat runs every scheme in turn (``dynamic`` first) on the
+    same random prompt; the medians over all repeats' steps are reported with the worst step, and every ratio
+    is against DynamicCache in this run. Peak RSS growth is the largest over the repeats; it is only
+    comparable between schemes because the warm-up has grown the heap first (freed memory is reused).
 
     Args:
         model: a causal LM (its attention is switched for schemes that need it, then restored).
@@ -145,6 +147,11 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
     for length in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(model.device)
         runs: dict[str, list[_Run]] = {name: [] for name in schemes}
+        # Untimed: the first run at a new size pays one-time costs (allocator growth, kernel set-up) that would
+        # otherwise land on whichever scheme happens to run first, in time and in RSS.
+        if progress:
+            progress(f"context {length}: warm-up (untimed)")
+        _run_once(model, schemes[0], ids, 1)
         for rep in range(repeats):
             for name in schemes:
                 if progress:
