@@ -75,8 +75,9 @@ def test_attention_ppl_and_report(models, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "report", str(tmp_path)]) == 0
     summary = capsys.readouterr().out
-    assert summary.splitlines()[0] == ("| scheme | needle acc (all) | needle acc @ 800 | attn KL mean | attn top-8 | ppl "
-                                       "| Δppl % |")
+    assert summary.splitlines()[0] == ("| scheme | needle acc (all) | needle acc @ 800 | needle lost / gained vs full "
+                                       "| attn KL mean | attn top-8 | ppl | Δppl % |")
+    assert summary.splitlines()[2].startswith("| dynamic | ") and "| 0 / 0 |" in summary.splitlines()[2]
     assert len(summary.splitlines()) == 2 + 3
     assert (tmp_path / "summary.md").read_text() == summary
     for figure in ("attention_layers.png", "ppl.png", "summary.png", "needle_heatmaps.png"):

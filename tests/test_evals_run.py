@@ -214,3 +214,16 @@ def test_fused_scheme_answers_like_asymkv(llama, tok):
                       show_progress=False)
     by = {r.scheme: r for r in rows}
     assert by["asymkv-fused"].tail_kl == pytest.approx(by["asymkv"].tail_kl, rel=1e-3, abs=1e-7)
+
+
+def test_flips_count_prompts_lost_and_gained_against_full_precision():
+    from hf_asymkv.evals.report import flips
+
+    def row(scheme, depth, correct):
+        return {"scheme": scheme, "task": "single", "haystack": "noise", "length": 600, "depth": depth, "sample": 0,
+                "correct": correct}
+
+    rows = [row("dynamic", 0.1, True), row("dynamic", 0.5, False), row("dynamic", 0.9, True),
+            row("a", 0.1, False), row("a", 0.5, True), row("a", 0.9, False),
+            row("b", 0.1, True), row("b", 0.5, False), row("b", 0.9, True)]
+    assert flips(rows) == {"dynamic": (0, 0), "a": (2, 1), "b": (0, 0)}

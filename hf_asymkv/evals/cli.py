@@ -64,7 +64,7 @@ def _write_md(path: Path, meta: dict, table: str) -> None:
 def _cmd_needle(args) -> int:
     from .needle import TASKS
     from .plots import plot_needle_heatmaps
-    from .report import needle_markdown, write_json
+    from .report import flips, needle_markdown, write_json
     from .retrieval import accuracy_table, heatmap_grid, run_needle
 
     tasks = [t for t in args.tasks.split(",") if t]
@@ -83,7 +83,8 @@ def _cmd_needle(args) -> int:
     by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
     agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
                  for s in schemes}
-    table = needle_markdown(by_length, by_task, args.lengths, tasks, agreement, skipped)
+    table = needle_markdown(by_length, by_task, args.lengths, tasks, agreement, flips([asdict(r) for r in rows]),
+                            skipped)
     print(table)
     if args.out:
         out = Path(args.out)

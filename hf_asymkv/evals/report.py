@@ -10,6 +10,7 @@ from ..fileio import atomic_write_text
 
 __all__ = [
     "attention_markdown",
+    "flips",
     "needle_markdown",
     "ppl_markdown",
     "read_results",
@@ -27,13 +28,28 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def flips(rows: list[dict]) -> dict[str, tuple[int, int]]:
+    """``{scheme: (lost, gained)}``: prompts full precision (``dynamic``) answers and the scheme does not, and
+    the reverse. Accuracy alone hides a scheme that loses some prompts and wins others by luck."""
+    ref = {(r["task"], r["haystack"], r["length"], r["depth"], r["sample"]): r["correct"] for r in rows
+           if r["scheme"] == "dynamic"}
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        full = ref[(r["task"], r["haystack"], r["length"], r["depth"], r["sample"])]
+        counts = out.setdefault(r["scheme"], [0, 0])
+        counts[0] += full and not r["correct"]
+        counts[1] += r["correct"] and not full
+    return {s: (lost, gained) for s, (lost, gained) in out.items()}
+
+
 def needle_markdown(by_length: dict[str, dict], by_task: dict[str, dict], lengths: list[int], tasks: list[str],
-                    agreement: dict[str, float], skipped: dict[str, str]) -> str:
-    """Accuracy per scheme: by length, by task, overall, and how often the answer equals full precision's."""
-    header = ["scheme", *[str(n) for n in lengths], *tasks, "all", "same tokens as full"]
+                    agreement: dict[str, float], flipped: dict[str, tuple[int, int]], skipped: dict[str, str]) -> str:
+    """Accuracy per scheme: by length, by task, overall, prompts lost/gained against full precision, and how
+    often the answer's tokens equal full precision's."""
+    header = ["scheme", *[str(n) for n in lengths], *tasks, "all", "lost / gained vs full", "same tokens as full"]
     rows = [[s, *[_pct(by_length[s].get(n, float("nan"))) for n in lengths],
              *[_pct(by_task[s].get(t, float("nan"))) for t in tasks], _pct(by_length[s]["all"]),
-             _pct(agreement[s])] for s in by_length]
+             f"{flipped[s][0]} / {flipped[s][1]}", _pct(agreement[s])] for s in by_length]
     text = "Needle accuracy (all expected values, no distractor value)\n\n" + _table(header, rows)
     return text + _skipped(skipped)
 
@@ -82,7 +98,8 @@ def summary_markdown(needle: dict | None, attention: dict | None, ppl: dict | No
     header, longest = ["scheme"], None
     if needle:
         longest = max(needle["lengths"])
-        header += ["needle acc (all)", f"needle acc @ {longest}"]
+        flipped = flips(needle["rows"])
+        header += ["needle acc (all)", f"needle acc @ {longest}", "needle lost / gained vs full"]
     if attention:
         header += ["attn KL mean", "attn top-8"]
     if ppl:
@@ -92,7 +109,9 @@ def summary_markdown(needle: dict | None, attention: dict | None, ppl: dict | No
         cells = [s]
         if needle:
             acc = needle["accuracy_by_length"].get(s, {})
-            cells += [_pct(acc.get("all", float("nan"))), _pct(acc.get(str(longest), float("nan")))]
+            lost, gained = flipped.get(s, ("-", "-"))
+            cells += [_pct(acc.get("all", float("nan"))), _pct(acc.get(str(longest), float("nan"))),
+                      f"{lost} / {gained}"]
         if attention:
             row = next((r for r in attention["rows"] if r["scheme"] == s), None)
             cells += ["-", "-"] if row is None else [f"{sum(row['kl']) / len(row['kl']):.2e}",
