@@ -118,9 +118,12 @@ def plot_summary(points: dict[str, tuple[float, float]], title: str, path: Path)
     """Scatter: Δppl % (x) against needle accuracy (y), one labelled point per scheme."""
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, (delta, acc) in points.items():
+    stacked: dict[float, int] = {}  # labels of points at the same accuracy are stacked, not overprinted
+    for name, (delta, acc) in sorted(points.items(), key=lambda kv: kv[1]):
+        k = stacked[round(acc, 4)] = stacked.get(round(acc, 4), -1) + 1
         ax.scatter(delta, 100 * acc, s=30)
-        ax.annotate(name, (delta, 100 * acc), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.annotate(name, (delta, 100 * acc), fontsize=7, xytext=(6, 3 - 9 * k), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "grey"} if k else None)
     ax.set_xlabel("Δ perplexity vs full precision, %")
     ax.set_ylabel("needle accuracy, %")
     ax.grid(alpha=0.3)
