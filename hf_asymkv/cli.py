@@ -233,8 +233,8 @@ def _cmd_bench(args) -> int:
         out = Path(args.out)
         atomic_write_text(out / "decode_speed.json", json.dumps(
             {"meta": meta, "rows": [{**asdict(r), "spike_ratio": r.spike_ratio} for r in rows]}, indent=2))
-        atomic_write_text(out / "decode_speed.md", f"`{meta['command']}` ({meta['threads']} threads)\n\n{table}\n")
-        plot_speed(rows, out / "decode_speed.png", f"{args.model}, {args.dtype}, {meta['threads']} threads")
+        atomic_write_text(out / "decode_speed.md", f"`{meta['command']}` (torch threads: {meta['threads']})\n\n{table}\n")
+        plot_speed(rows, out / "decode_speed.png", f"{args.model}, {args.dtype}, torch threads: {meta['threads']}")
     return 0
 
 
