@@ -172,7 +172,7 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     h = key.tail.shape[1]
     n_rep = hq // h
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    q = (query.to(work) * scaling).view(b, h, n_rep * q_len, d)
+    q = (query.to(work) * scaling).reshape(b, h, n_rep * q_len, d)  # query is often a transposed view
     k_pre, k_tail = _parts(key)
     v_pre, v_tail = _parts(value)
     n = key.codes.shape[2]

@@ -64,7 +64,8 @@ def test_fused_matches_reference(kspec, vspec, sinks, n_rep, q_len):
     new_k, new_v = torch.randn(2, 1, 2, q_len, 16, generator=g)
     key, value = layer.update(new_k, new_v)
     assert isinstance(key, QuantizedKV) and key.codes.shape[2] > 0
-    q = torch.randn(1, 2 * n_rep, q_len, 16, generator=g)
+    # as attention modules make it: projected [B, q, Hq, D], then transposed (not contiguous when q_len > 1)
+    q = torch.randn(1, q_len, 2 * n_rep, 16, generator=g).transpose(1, 2)
     module = _Module(n_rep)
     # no mask: causal (bottom-right aligned) for q_len > 1, as SDPA's is_causal path would be
     fused = fused_attention(q, key, value, None, 0.25)

@@ -206,9 +206,6 @@ def test_fused_scheme_is_tried_under_its_attention(llama, tok):
         run_attention(llama, tok, usable, 600, samples=1, queries=16, show_progress=False)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="hf_asymkv/attention.py: the fused kernel's query .view() fails for a multi-token query "
-                          "after a prefill (the 16-token tail); decode steps (1 token) work")
 def test_fused_scheme_answers_like_asymkv(llama, tok):
     rows = run_needle(llama, tok, ["dynamic", "asymkv", "asymkv-fused"], [600], [0.5], ["single"],
                       show_progress=False)
