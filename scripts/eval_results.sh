@@ -14,5 +14,13 @@ hf-asymkv eval attention --model "$GEMMA" --length 4096 --samples 2 --threads 1 
 hf-asymkv eval ppl --model "$GEMMA" --length 4096 --windows 2 --threads 1 --quiet --out $G
 hf-asymkv eval needle --model "$GEMMA" --lengths 1024,2048,4096 --depths 0.1,0.5,0.9 --samples 1 --threads 1 \
     --quiet --out $G
+# natural-text haystack (built-in corpus: Python's pydoc_data.topics), a smaller grid
+hf-asymkv eval needle --lengths 2048,4096 --depths 0.1,0.5,0.9 --tasks single,multikey --haystack text --threads 1 \
+    --quiet --out $S/text_haystack
+# distractor-needle haystack (the filler itself is needles with other keys), same smaller grid
+hf-asymkv eval needle --lengths 2048,4096 --depths 0.1,0.5,0.9 --tasks single,multikey --haystack needles \
+    --threads 1 --quiet --out $S/needles_haystack
+hf-asymkv eval needle --model "$GEMMA" --lengths 2048,4096 --depths 0.1,0.5,0.9 --tasks single,multikey \
+    --haystack text --threads 1 --quiet --out $G/text_haystack
 hf-asymkv eval report $S
 hf-asymkv eval report $G
