@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicCache
 
 from .fileio import atomic_write_text
 from .memory import cache_nbytes
-from .schemes import make_cache
+from .schemes import make_cache, with_baseline
 
 __all__ = ["MemoryRow", "measure_kv_memory", "format_memory_table"]
 
@@ -27,11 +27,6 @@ class MemoryRow:
     decode_bytes: int
     decode_tokens: int
     ratio_vs_dynamic: float = 0.0  # DynamicCache bytes / this scheme's bytes, after prefill
-
-
-def _with_baseline(schemes: list[str]) -> list[str]:
-    """``"dynamic"`` first (every ratio is against it), then the others in the given order."""
-    return ["dynamic"] + [s for s in schemes if s != "dynamic"]
 
 
 @torch.no_grad()
@@ -80,7 +75,7 @@ def measure_kv_memory(
     Returns:
         One row per (scheme, length), with ``ratio_vs_dynamic`` filled in.
     """
-    schemes = _with_baseline(schemes)
+    schemes = with_baseline(schemes)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for length in lengths:

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 from .attention import ATTN_IMPLEMENTATION, register
 from .cache import AsymKVCache
 
-__all__ = ["ATTENTION", "SCHEMES", "make_cache", "scheme_attention", "scheme_names"]
+__all__ = ["ATTENTION", "SCHEMES", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
 
 Factory = Callable[[PreTrainedConfig], Cache]
 
@@ -74,6 +74,11 @@ def scheme_attention(model, name: str) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(before)
+
+
+def with_baseline(schemes: list[str]) -> list[str]:
+    """``"dynamic"`` first (every ratio is against it), then the others in the given order."""
+    return ["dynamic"] + [s for s in schemes if s != "dynamic"]
 
 
 def scheme_names() -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .memory import cache_nbytes
-from .schemes import make_cache, scheme_attention
+from .schemes import make_cache, scheme_attention, with_baseline
 
 __all__ = ["PeakRSS", "SpeedRow", "format_speed_table", "measure_decode_speed", "plot_speed"]
 
@@ -139,9 +139,7 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
         new_tokens: timed decode steps per repeat.
         progress: optional ``callable(str)`` told what runs next.
     """
-    from .bench import _with_baseline
-
-    schemes = _with_baseline(schemes)
+    schemes = with_baseline(schemes)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for length in lengths:
