@@ -190,7 +190,7 @@ def format_speed_table(rows: list[SpeedRow]) -> str:
 
 def plot_speed(rows: list[SpeedRow], path: str | Path, title: str = "") -> Path:
     """PNG: decode ms/token and KV MiB against context length, one line per scheme."""
-    from .evals.plots import _save, require_matplotlib
+    from .evals.plots import require_matplotlib, save_figure
 
     plt = require_matplotlib()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -207,4 +207,4 @@ def plot_speed(rows: list[SpeedRow], path: str | Path, title: str = "") -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))

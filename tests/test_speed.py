@@ -52,9 +52,9 @@ def test_peak_rss_sees_an_allocation():
     if PeakRSS.rss() is None:
         pytest.skip("no /proc/self/statm on this system")
     with PeakRSS(interval=0.001) as p:
-        x = torch.ones(32 * 2**20 // 4)  # 32 MiB, touched
-        del x
-    assert p.growth >= 30 * 2**20
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched: above glibc's largest mmap threshold (32 MiB), so
+        del x  # it takes fresh pages rather than reusing freed heap
+    assert p.growth >= 56 * 2**20
 
 
 def test_plot_speed_writes_png(rows, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..fileio import atomic_write
 
 __all__ = ["MissingExtraError", "plot_attention_layers", "plot_needle_heatmaps", "plot_ppl", "plot_summary",
-           "require_matplotlib"]
+           "require_matplotlib", "save_figure"]
 
 
 class MissingExtraError(ImportError):
@@ -31,7 +31,7 @@ def require_matplotlib():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     plt = require_matplotlib()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     plt.close(fig)
@@ -60,7 +60,7 @@ def plot_needle_heatmaps(grids: dict[str, list[list[float]]], lengths: list[int]
     fig.supylabel("needle depth", fontsize=9)
     fig.suptitle(title, fontsize=10)
     fig.colorbar(im, ax=axes, shrink=0.6, label="accuracy")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _cells(grid: list[list[float]]):
@@ -92,7 +92,7 @@ def plot_attention_layers(rows, induction: list[float] | None, title: str, path:
     fig.suptitle(title + ("  (grey bars: induction score of the layer's best head)" if induction else ""),
                  fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_ppl(rows: list[dict], title: str, path: Path) -> Path:
@@ -111,7 +111,7 @@ def plot_ppl(rows: list[dict], title: str, path: Path) -> Path:
     axes[1].set_yticks([])
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_summary(points: dict[str, tuple[float, float]], title: str, path: Path) -> Path:
@@ -129,4 +129,4 @@ def plot_summary(points: dict[str, tuple[float, float]], title: str, path: Path)
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
