@@ -212,15 +212,14 @@ def _cmd_bench(args) -> int:
     import torch
 
     from .fileio import atomic_write_text
-    from .schemes import scheme_names
+    from .schemes import check_scheme
     from .speed import format_speed_table, measure_decode_speed, plot_speed
 
     if args.new_tokens < 1 or args.repeats < 1:
         raise ValueError(f"--new-tokens and --repeats must be >= 1, got {args.new_tokens} and {args.repeats}")
     schemes = args.schemes.split(",")
     for name in schemes:  # a typo fails before the (slow) model load
-        if name not in scheme_names():
-            raise ValueError(f"Unknown cache scheme {name!r}; known schemes: {scheme_names()}.")
+        check_scheme(name)
     _set_threads(args.threads)
     model, _ = _load(args)
     rows = measure_decode_speed(model, schemes, args.lengths, new_tokens=args.new_tokens,

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 from .attention import ATTN_IMPLEMENTATION, register
 from .cache import AsymKVCache
 
-__all__ = ["ATTENTION", "SCHEMES", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
+__all__ = ["ATTENTION", "SCHEMES", "check_scheme", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
 
 Factory = Callable[[PreTrainedConfig], Cache]
 
@@ -91,6 +91,11 @@ def make_cache(name: str, config: PreTrainedConfig) -> Cache:
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
+    check_scheme(name)
+    return SCHEMES[name][1](config)
+
+
+def check_scheme(name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` and the known schemes when ``name`` is not one of them."""
     if name not in SCHEMES:
         raise ValueError(f"Unknown cache scheme {name!r}; known schemes: {scheme_names()}.")
-    return SCHEMES[name][1](config)
