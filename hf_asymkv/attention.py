@@ -154,11 +154,9 @@ def _mask_bias(attention_mask: torch.Tensor | None, b: int, h: int, n_rep: int, 
     mask = attention_mask[..., -kv_len:]  # [B or 1, 1 or Hq, q, kv]
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    mb, mh = mask.shape[0], mask.shape[1]
-    mask = mask.to(dtype).expand(b, mh, q_len, kv_len)
-    if mh == 1:
-        return mask[:, :, None].expand(b, 1, n_rep, q_len, kv_len).reshape(b, 1, n_rep * q_len, kv_len) if n_rep > 1 else mask
-    return mask.reshape(b, h, n_rep * q_len, kv_len)
+    # one mask for all heads: repeat it for each of a KV head's n_rep query heads; per-head masks: group them
+    heads = n_rep if mask.shape[1] == 1 else h * n_rep
+    return mask.to(dtype).expand(b, heads, q_len, kv_len).reshape(b, -1, n_rep * q_len, kv_len)
 
 
 def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, attention_mask: torch.Tensor | None,
