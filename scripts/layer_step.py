@@ -24,12 +24,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv import AsymKVCache
 from hf_asymkv.attention import fused_attention
+from hf_asymkv.cli import _int_list
 from hf_asymkv.fileio import atomic_write_text
 from hf_asymkv.quant import dequantize
 
 # SmolLM2-135M's attention shape: 9 query heads sharing 3 KV heads of 64 channels.
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 REPEATS = 60  # timed calls per path; the minimum is reported
+MIN_LENGTH = 256  # the default 128-token window plus one 128-token block
 
 
 class _Attn(torch.nn.Module):
@@ -84,18 +86,24 @@ def measure(length: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", default="1024,4096,16384")
+    p.add_argument("--lengths", type=_int_list, default=[1024, 4096, 16384], help="context lengths, e.g. 1024,4096")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="markdown file for the table")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if min(args.lengths) < MIN_LENGTH:
+        p.error(f"--lengths must be >= {MIN_LENGTH} (window + one block, so that something is quantized), "
+                f"got {min(args.lengths)}")
     torch.set_num_threads(args.threads)
-    lines = [f"`python scripts/layer_step.py --lengths {args.lengths} --threads {args.threads}` "
+    lengths = ",".join(map(str, args.lengths))
+    lines = [f"`python scripts/layer_step.py --lengths {lengths} --threads {args.threads}` "
              f"(one layer, {Q_HEADS} query / {KV_HEADS} KV heads x {HEAD_DIM}, fp32, best of {REPEATS}, ms)", "",
              "| context | DynamicCache + SDPA | ours dense + SDPA | ours fused | dense x Dynamic | fused x Dynamic "
              "| K int8 decode | V int4 decode |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for length in (int(x) for x in args.lengths.split(",")):
+    for length in args.lengths:
         r = measure(length)
         lines.append(f"| {length} | {r['dynamic']:.3f} | {r['asymkv-dense']:.3f} | {r['asymkv-fused']:.3f} | "
                      f"{r['asymkv-dense'] / r['dynamic']:.2f} | {r['asymkv-fused'] / r['dynamic']:.2f} | "
