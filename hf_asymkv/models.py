@@ -29,6 +29,7 @@ __all__ = [
     "ModelNotAvailableError",
     "cache_dir",
     "default_model_path",
+    "load_config",
     "load_model",
     "locate_default_gguf",
 ]
@@ -219,3 +220,28 @@ def load_model(
     if gen_cfg is not None and gen_cfg.pad_token_id is None:
         gen_cfg.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def load_config(model: str):
+    """The model's config only (no weights): ``DEFAULT_MODEL``, a Hub id, a local folder or a ``.gguf`` file.
+
+    Raises:
+        ValueError: the config cannot be loaded (no such folder/file, not a model, Hub unreachable).
+    """
+    from transformers import AutoConfig
+
+    model = str(model)
+    kwargs = {}
+    if model == DEFAULT_MODEL:
+        source = str(default_model_path())
+    elif model.lower().endswith(".gguf"):
+        gguf = Path(model).expanduser()
+        if not gguf.is_file():
+            raise ValueError(f"GGUF file {model!r} does not exist")
+        source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    else:
+        source = model
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:  # not a folder nor a valid/reachable Hub id, unrecognized model, ...
+        raise ValueError(f"cannot load the config of model {model!r}: {exc}") from None

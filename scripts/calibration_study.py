@@ -35,8 +35,8 @@ THREADS = 2
 
 
 def calibrate_all(model, tokenizer, data: str) -> dict:
-    from hf_asymkv.calibrate import bucket_report, calibrate_model, scales_from_stats
-    from hf_asymkv.data import load_texts, pack_samples
+    from hf_asymkv.calibration.calibrate import bucket_report, calibrate_model, scales_from_stats
+    from hf_asymkv.calibration.data import load_texts, pack_samples
 
     texts = load_texts(data)
     out = {}
@@ -68,8 +68,8 @@ def continue_schemes(model, tokenizer, cals: dict) -> list[dict]:
     from transformers import DynamicCache
 
     from hf_asymkv import AsymKVCache
-    from hf_asymkv.evaluate import cache_from_prefix, compare_continuation, encode_prompt, tail_and_decode
-    from hf_asymkv.tasks import make_needle_prompt, score_answer
+    from hf_asymkv.evals.evaluate import cache_from_prefix, compare_continuation, encode_prompt, tail_and_decode
+    from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
 
     schemes = {
         "dynamic per-block scales": lambda: AsymKVCache(model.config),
@@ -145,7 +145,7 @@ def render(data: dict) -> str:
 
 def rerender(out: Path) -> None:
     """Rewrite README.md from an existing study.json (no model run)."""
-    from hf_asymkv.fileio import atomic_write_text
+    from hf_asymkv.core.fileio import atomic_write_text
 
     atomic_write_text(out / "README.md", render(json.loads((out / "study.json").read_text())))
 
@@ -161,7 +161,7 @@ def main() -> None:
     if args.render_only:
         return rerender(Path(args.out))
     torch.set_num_threads(args.threads)
-    from hf_asymkv.fileio import atomic_write_text
+    from hf_asymkv.core.fileio import atomic_write_text
     from hf_asymkv.models import load_model
 
     t0 = time.time()

@@ -8,11 +8,11 @@ int4 per-token groups and the newest ``residual_length=128`` tokens stay exact. 
    quantizes within the same call, hence the split). KL(full || quantized) and top-1 agreement of the tail's
    logits against ``DynamicCache``.
 2. K reconstruction. Post-RoPE keys of every full-attention layer, captured from the DynamicCache run, are
-   quantized per channel / block 128 with ``hf_asymkv.quant`` exactly as the cache does (bf16 scales); per-layer
+   quantized per channel / block 128 with ``hf_asymkv.core.quant`` exactly as the cache does (bf16 scales); per-layer
    SQNR per format, plus |K| statistics (absmax / median |K|, and within each (channel, block) the crest
    factor absmax / RMS and the share of elements above absmax / 14, where int8's step is finer than E4M3's).
 3. Retrieval. Greedy decoding (``MAX_NEW`` tokens) continues from the cache after the second call; the answer
-   is scored with ``hf_asymkv.tasks.score_answer``.
+   is scored with ``hf_asymkv.evals.tasks.score_answer``.
 
 Cost saver (exact, checked): the first call's output does not depend on the key format (every token of that
 call is returned exact), so the prefix is prefilled once with ``DynamicCache`` and each AsymKVCache is built by
@@ -71,7 +71,7 @@ def full_attention_layers(cache) -> list[int]:
 def asym_from_prefix(config, fmt: str, dyn):
     """An AsymKVCache in the state a real prefill of the same prefix leaves it in (see module docstring)."""
     from hf_asymkv import AsymKVCache
-    from hf_asymkv.evaluate import cache_from_prefix
+    from hf_asymkv.evals.evaluate import cache_from_prefix
 
     cache = AsymKVCache(config, key_format=fmt, value_bits=VALUE_BITS, key_block_size=BLOCK,
                         residual_length=RESIDUAL)
@@ -80,7 +80,7 @@ def asym_from_prefix(config, fmt: str, dyn):
 
 def key_stats(keys: torch.Tensor) -> dict:
     """|K| statistics of ``[B, H, T, D]`` keys (T a multiple of BLOCK) and per-format quantization energies."""
-    from hf_asymkv.quant import QuantSpec, compute_scale_zero, dequantize, quantize
+    from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
 
     k = keys.float()
     b, h, t, d = k.shape
@@ -112,8 +112,8 @@ def sqnr(signal: float, noise: float) -> float:
 def check_prefill(model, tokenizer, length: int) -> float:
     """Max |logit| difference between the shared-prefill shortcut and a real two-call AsymKVCache run."""
     from hf_asymkv import AsymKVCache
-    from hf_asymkv.evaluate import encode_prompt
-    from hf_asymkv.tasks import make_needle_prompt
+    from hf_asymkv.evals.evaluate import encode_prompt
+    from hf_asymkv.evals.tasks import make_needle_prompt
     from transformers import DynamicCache
 
     ids = encode_prompt(tokenizer, make_needle_prompt(tokenizer, length, 0.5, seed=99))
@@ -133,8 +133,8 @@ def check_prefill(model, tokenizer, length: int) -> float:
 @torch.no_grad()
 def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict], dict[int, dict]]:
     from hf_asymkv import AsymKVCache
-    from hf_asymkv.evaluate import compare_continuation, encode_prompt, tail_and_decode
-    from hf_asymkv.tasks import make_needle_prompt, score_answer
+    from hf_asymkv.evals.evaluate import compare_continuation, encode_prompt, tail_and_decode
+    from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
     from transformers import DynamicCache
 
     q_layers = full_attention_layers(AsymKVCache(model.config))
@@ -255,9 +255,9 @@ def write_readme(out: Path) -> None:
         f"residual_length={RESIDUAL}. KL/top-1: the last {TAIL} prompt tokens fed as a second forward call after "
         "prefilling the rest (so they attend to the quantized history), compared with DynamicCache. SQNR: "
         "post-RoPE keys of the full-attention layers captured from the DynamicCache run, quantized with "
-        "`hf_asymkv.quant` exactly as the cache does, energy pooled over all prompts. Retrieval: greedy "
+        "`hf_asymkv.core.quant` exactly as the cache does, energy pooled over all prompts. Retrieval: greedy "
         f"decoding of {MAX_NEW} tokens continuing from the cache after the second call, scored with "
-        "`hf_asymkv.tasks.score_answer`. 'crest (ch, block)': mean over (head, channel, block) of absmax/RMS; "
+        "`hf_asymkv.evals.tasks.score_answer`. 'crest (ch, block)': mean over (head, channel, block) of absmax/RMS; "
         "'share ≥ absmax/14': elements at or above absmax/14 of their (channel, block), where int8's step "
         "is finer than E4M3's.\n",
     ]

@@ -23,10 +23,10 @@ from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv import AsymKVCache
-from hf_asymkv.attention import fused_attention
-from hf_asymkv.cli import _int_list
-from hf_asymkv.fileio import atomic_write_text
-from hf_asymkv.quant import dequantize
+from hf_asymkv.core.attention import fused_attention
+from hf_asymkv.cli.args import int_list as _int_list
+from hf_asymkv.core.fileio import atomic_write_text
+from hf_asymkv.core.quant import dequantize
 
 # SmolLM2-135M's attention shape: 9 query heads sharing 3 KV heads of 64 channels.
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -81,8 +81,8 @@ def measure(length: int) -> dict[str, float]:
         "dynamic": best_ms(step_dynamic),
         "asymkv-dense": best_ms(lambda: step_asymkv(False)),
         "asymkv-fused": best_ms(lambda: step_asymkv(True)),
-        "K decode": best_ms(lambda: dequantize(layer._kq.live, layer._ks.live, None, layer.key_spec, 128)),
-        "V decode": best_ms(lambda: dequantize(layer._vq.live, layer._vs.live, layer._vz.live, layer.value_spec, 128)),
+        "K decode": best_ms(lambda: dequantize(layer.key_store.blocks.codes.live, layer.key_store.blocks.scales.live, None, layer.key_spec, 128)),
+        "V decode": best_ms(lambda: dequantize(layer.value_store.blocks.codes.live, layer.value_store.blocks.scales.live, layer.value_store.blocks.zeros.live, layer.value_spec, 128)),
     }
 
 

@@ -10,6 +10,8 @@ its last token) keep greedy continuations varied.
 from __future__ import annotations
 
 import copy
+import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +160,18 @@ def padded_batch() -> tuple[torch.LongTensor, torch.LongTensor]:
         ids[row, PROMPT_LEN - n :] = torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (n,), generator=g)
         mask[row, PROMPT_LEN - n :] = 1
     return ids, mask
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    """``model/`` (the tiny Llama + a word-level tokenizer, `save_pretrained`) and ``data.txt`` (1500 words):
+    what the command-line tests load with ``--model`` and ``--data``."""
+    from helpers import TEXT_WORDS, WORDS, word_tokenizer
+
+    root = tmp_path_factory.mktemp("cli")
+    model = _build(LlamaForCausalLM, llama_config(), seed=0)
+    model.save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
+    rng = random.Random(0)
+    (root / "data.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(TEXT_WORDS)) + "\n", encoding="utf-8")
+    return root

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_asymkv import AsymKVCache
 from hf_asymkv.models import ModelNotAvailableError, load_model
-from hf_asymkv.tasks import make_needle_prompt, score_answer
+from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_retrieval_2k_matches_full_precision(real_model, depth):
 
 def test_bf16_memory_ratio_at_4096(real_model):
     """Real tensor bytes after a 4096-token bf16 prefill: >= 2.35x smaller than bf16 DynamicCache."""
-    from hf_asymkv.bench import measure_kv_memory
+    from hf_asymkv.bench.kv_memory import measure_kv_memory
 
     rows = measure_kv_memory(real_model[0], ["dynamic", "asymkv"], [4096], dtype=torch.bfloat16)
     dynamic, ours = rows

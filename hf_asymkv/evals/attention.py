@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..evaluate import cache_from_prefix, encode_prompt
-from ..schemes import ATTENTION, make_cache
+from .evaluate import cache_from_prefix, encode_prompt
+from ..bench.schemes import ATTENTION, make_cache
 from .common import check_length, progress
 from .haystack import split_sentences
 from .needle import make_task

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..schemes import make_cache, scheme_attention, scheme_names
+from ..bench.schemes import make_cache, scheme_attention, scheme_names
 
 __all__ = ["check_length", "check_schemes", "max_positions", "progress", "run_meta", "schemes_for"]
 
@@ -34,7 +34,7 @@ def schemes_for(model, schemes: list[str]) -> tuple[list[str], dict[str, str]]:
 
     transformers' ``QuantizedCache`` refuses models with sliding-window layers (Gemma-3): those schemes are
     reported as skipped rather than failing the whole run. Schemes that need their own attention
-    implementation are tried under it (:func:`hf_asymkv.schemes.scheme_attention`).
+    implementation are tried under it (:func:`hf_asymkv.bench.schemes.scheme_attention`).
     """
     usable, skipped = [], {}
     for name in schemes:
@@ -76,7 +76,7 @@ def run_meta(model, model_name: str, command: str | None, **settings) -> dict:
     """What a result file needs to be rerun and trusted: command, model, dtype, threads, library versions."""
     import transformers
 
-    from .. import __version__
+    from ..version import __version__
 
     return {"command": command, "model": model_name, "model_class": type(model).__name__,
             "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

@@ -22,8 +22,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from ..evaluate import encode_prompt
-from ..tasks import score_answer
+from .evaluate import encode_prompt
+from .tasks import score_answer
 from .haystack import haystack_stream, needle_sentence, random_key, random_value
 
 __all__ = ["MAX_NEW", "N_DISTRACTORS", "N_VALUES", "TASKS", "Needle", "NeedleTask", "make_task", "score_task"]
@@ -52,7 +52,7 @@ class NeedleTask:
     """A retrieval prompt and what a correct answer contains.
 
     ``answers`` must all appear in the answer, ``distractors`` (values of needles not asked for) must not.
-    ``messages`` is the chat form; :func:`hf_asymkv.evaluate.encode_prompt` appends ``answer_prefix``.
+    ``messages`` is the chat form; :func:`hf_asymkv.evals.evaluate.encode_prompt` appends ``answer_prefix``.
     """
 
     task: str

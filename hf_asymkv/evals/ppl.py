@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..evaluate import cache_from_prefix
-from ..schemes import make_cache, scheme_attention
+from .evaluate import cache_from_prefix
+from ..bench.schemes import make_cache, scheme_attention
 from .common import check_length, progress
 
 __all__ = ["PplRow", "run_ppl", "text_windows"]

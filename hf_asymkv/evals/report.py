@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from ..fileio import atomic_write_text
+from ..core.fileio import atomic_write_text
 
 __all__ = [
     "attention_markdown",

@@ -1,7 +1,7 @@
 """The needle grid: every (length, depth, task, sample) prompt answered through every cache scheme.
 
 Each prompt is prefilled once with ``DynamicCache`` except its last :data:`TAIL` tokens; every scheme then
-receives that prefix K/V the way a real prefill hands it over (:func:`hf_asymkv.evaluate.cache_from_prefix`),
+receives that prefix K/V the way a real prefill hands it over (:func:`hf_asymkv.evals.evaluate.cache_from_prefix`),
 feeds the tail and decodes greedily. The answer therefore reads the quantized history, as in deployment,
 while the costly prefill is paid once per prompt instead of once per scheme.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
-from ..schemes import make_cache, scheme_attention
+from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
+from ..bench.schemes import make_cache, scheme_attention
 from .common import check_length, progress
 from .haystack import split_sentences
 from .needle import TASKS, make_task, score_task

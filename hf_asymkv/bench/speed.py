@@ -1,0 +1,210 @@
+"""Prefill and decode speed, KV bytes and peak RSS per cache scheme, beside DynamicCache (``hf-asymkv bench``).
+
+Everything is measured in one process, with the schemes interleaved inside every repeat: on a shared, noisy
+machine slow periods then hit all schemes alike, and the ratios (the claims) stay meaningful while absolute
+milliseconds drift. DynamicCache's own worst/median step ratio is the noise floor for the flush-spike check.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .memory import cache_nbytes
+from .schemes import make_cache, scheme_attention, with_baseline
+
+__all__ = ["PeakRSS", "SpeedRow", "format_speed_table", "measure_decode_speed", "plot_speed"]
+
+
+class PeakRSS:
+    """``with PeakRSS() as p: ...; p.growth``: peak resident-set growth (bytes) of this process inside the block.
+
+    A thread samples ``/proc/self/statm`` every ``interval`` seconds (and once at exit); freed heap is handed
+    back to the OS first (glibc ``malloc_trim``) so that the starting point is not inflated by earlier runs.
+    On systems without ``/proc`` the growth is reported as ``-1``.
+    """
+
+    _libc = None
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.start = self.peak = self.growth = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int | None:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+
+    @classmethod
+    def _trim(cls) -> None:
+        if cls._libc is None:
+            name = ctypes.util.find_library("c")
+            cls._libc = ctypes.CDLL(name) if name else False
+        if cls._libc and hasattr(cls._libc, "malloc_trim"):
+            cls._libc.malloc_trim(0)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.rss() or 0)
+
+    def __enter__(self) -> PeakRSS:
+        self._trim()
+        self.start = self.peak = self.rss() or 0
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        end = self.rss()
+        self.peak = max(self.peak, end or 0)
+        self.growth = self.peak - self.start if end is not None else -1
+
+
+@dataclass
+class SpeedRow:
+    scheme: str
+    context: int
+    decode_ms_median: float
+    decode_ms_max: float
+    steps: int
+    repeats: int
+    ratio_vs_dynamic: float = 0.0  # this scheme's median / DynamicCache's median
+    prefill_s_median: float = 0.0  # one forward pass over the whole context into this cache
+    prefill_ratio_vs_dynamic: float = 0.0
+    kv_bytes: int = 0  # real bytes the cache holds after the prefill and all decode steps (model dtype)
+    kv_ratio_vs_dynamic: float = 0.0  # DynamicCache bytes / this scheme's bytes
+    peak_rss_growth_mib: float = 0.0  # largest peak-RSS growth over the repeats (prefill + decode)
+
+    @property
+    def spike_ratio(self) -> float:
+        """Worst decode step / median decode step."""
+        return self.decode_ms_max / self.decode_ms_median
+
+
+@dataclass
+class _Run:
+    prefill_s: float
+    steps_s: list[float]
+    kv_bytes: int
+    rss_growth: int
+
+
+@torch.no_grad()
+def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int) -> _Run:
+    """Fresh cache, timed prefill, one untimed warm-up step, ``new_tokens`` timed single-token steps."""
+    with scheme_attention(model, name), PeakRSS() as rss:
+        cache = make_cache(name, model.config)
+        start = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prefill = time.perf_counter() - start
+        token = out.logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        steps = []
+        for _ in range(new_tokens):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            steps.append(time.perf_counter() - start)
+            token = out.logits[:, -1:].argmax(-1)
+        kv = cache_nbytes(cache)
+    return _Run(prefill, steps, kv, rss.growth)
+
+
+def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_tokens: int = 32, repeats: int = 3,
+                         seed: int = 0, progress=None) -> list[SpeedRow]:
+    """Prefill seconds, decode ms/token, KV bytes and peak RSS per scheme for each context length.
+
+    After one untimed warm-up run per length, each repeat runs every scheme in turn (``dynamic`` first) on the
+    same random prompt; the medians over all repeats' steps are reported with the worst step, and every ratio
+    is against DynamicCache in this run. Peak RSS growth is the largest over the repeats; it is only
+    comparable between schemes because the warm-up has grown the heap first (freed memory is reused).
+
+    Args:
+        model: a causal LM (its attention is switched for schemes that need it, then restored).
+        schemes: names from :mod:`hf_asymkv.bench.schemes`.
+        lengths: context lengths (prefill tokens).
+        new_tokens: timed decode steps per repeat.
+        progress: optional ``callable(str)`` told what runs next.
+    """
+    schemes = with_baseline(schemes)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(model.device)
+        runs: dict[str, list[_Run]] = {name: [] for name in schemes}
+        # Untimed: the first run at a new size pays one-time costs (allocator growth, kernel set-up) that would
+        # otherwise land on whichever scheme happens to run first, in time and in RSS.
+        if progress:
+            progress(f"context {length}: warm-up (untimed)")
+        _run_once(model, schemes[0], ids, 1)
+        for rep in range(repeats):
+            for name in schemes:
+                if progress:
+                    progress(f"context {length}, repeat {rep + 1}/{repeats}: {name}")
+                runs[name].append(_run_once(model, name, ids, new_tokens))
+        rows += _rows(runs, length, new_tokens, repeats)
+    return rows
+
+
+def _rows(runs: dict[str, list[_Run]], length: int, new_tokens: int, repeats: int) -> list[SpeedRow]:
+    rows = []
+    for name, rs in runs.items():
+        steps = [t for r in rs for t in r.steps_s]
+        rows.append(SpeedRow(name, length, statistics.median(steps) * 1e3, max(steps) * 1e3, new_tokens, repeats,
+                             prefill_s_median=statistics.median(r.prefill_s for r in rs), kv_bytes=rs[-1].kv_bytes,
+                             peak_rss_growth_mib=max(r.rss_growth for r in rs) / 2**20))
+    base = rows[0]
+    for r in rows:
+        r.ratio_vs_dynamic = r.decode_ms_median / base.decode_ms_median
+        r.prefill_ratio_vs_dynamic = r.prefill_s_median / base.prefill_s_median
+        r.kv_ratio_vs_dynamic = base.kv_bytes / r.kv_bytes
+    return rows
+
+
+def format_speed_table(rows: list[SpeedRow]) -> str:
+    """Markdown table: the ratios against DynamicCache first, then the absolute figures."""
+    lines = [
+        "| scheme | context | decode x DynamicCache | decode ms/token (median) | worst step / median | "
+        "prefill x DynamicCache | prefill s | KV MiB | KV x smaller | peak RSS growth MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r.scheme} | {r.context} | {r.ratio_vs_dynamic:.2f} | {r.decode_ms_median:.1f} | "
+                     f"{r.spike_ratio:.2f} | {r.prefill_ratio_vs_dynamic:.2f} | {r.prefill_s_median:.2f} | "
+                     f"{r.kv_bytes / 2**20:.1f} | {r.kv_ratio_vs_dynamic:.2f} | {r.peak_rss_growth_mib:.0f} |")
+    return "\n".join(lines)
+
+
+def plot_speed(rows: list[SpeedRow], path: str | Path, title: str = "") -> Path:
+    """PNG: decode ms/token and KV MiB against context length, one line per scheme."""
+    from ..plots import require_matplotlib, save_figure
+
+    plt = require_matplotlib()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r.scheme for r in rows):
+        mine = sorted((r for r in rows if r.scheme == name), key=lambda r: r.context)
+        x = [r.context for r in mine]
+        axes[0].plot(x, [r.decode_ms_median for r in mine], marker="o", label=name)
+        axes[1].plot(x, [r.kv_bytes / 2**20 for r in mine], marker="o", label=name)
+    for ax, label in zip(axes, ("decode ms/token (median)", "KV cache MiB (model dtype)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, Path(path))

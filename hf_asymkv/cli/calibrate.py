@@ -1,0 +1,72 @@
+"""`hf-asymkv calibrate`: record K/V ranges on long samples into a kv_scales.safetensors file."""
+
+from __future__ import annotations
+
+import sys
+
+from .args import add_model_args, load_model_from_args
+
+__all__ = ["add_parser"]
+
+
+def _cmd_calibrate(args) -> int:
+    import json
+    import time
+
+    from ..calibration.calibrate import bucket_report, calibrate_model, format_report, percentile_top_k, scales_from_stats
+    from ..calibration.data import load_texts, pack_samples
+    from ..core.fileio import atomic_write_text
+
+    # Every argument is checked before the (slow) model load; an out-of-range --percentile is wrong whatever
+    # --statistic says.
+    if not 0 < args.percentile < 100:
+        raise ValueError(f"--percentile must be in (0, 100), got {args.percentile}")
+    for flag, value in (("--chunk-size", args.chunk_size), ("--seq-len", args.seq_len),
+                        ("--num-samples", args.num_samples)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    texts = load_texts(args.data, split=args.split, text_column=args.text_column)  # fail before loading a model
+    model, tokenizer = load_model_from_args(args)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit and args.seq_len > limit:
+        print(f"warning: --seq-len {args.seq_len} exceeds the model's max_position_embeddings {limit}",
+              file=sys.stderr)
+    samples = pack_samples(texts, tokenizer, args.seq_len, args.num_samples)
+    top_k = 0
+    if args.statistic == "percentile":  # rows above the percentile, per channel, plus the percentile row
+        top_k = percentile_top_k(args.percentile, args.seq_len * len(samples))
+    start = time.perf_counter()
+    stats = calibrate_model(model, samples, chunk_size=args.chunk_size, top_k=top_k, progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    meta = {"model_id": args.model, "data": args.data, "num_samples": len(samples),
+            "sample_lengths": json.dumps([int(s.shape[-1]) for s in samples]), "chunk_size": args.chunk_size,
+            "dtype": args.dtype}
+    scales = scales_from_stats(stats, model.config, statistic=args.statistic, percentile=args.percentile,
+                               metadata=meta)
+    out = scales.save(args.out)
+    report = bucket_report(stats)
+    report_path = out.with_name(out.stem + ".report.json")
+    atomic_write_text(report_path, json.dumps({"meta": meta, **report}, indent=2))
+    print(format_report(report))
+    k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
+    print(f"\nwrote {out} ({len(scales.k_channel_absmax)} layers, {len(samples)} x {args.seq_len} tokens, "
+          f"{args.statistic}, {seconds:.0f} s; largest K range {k_max:.2f}) and {report_path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="record K/V ranges on long samples into a kv_scales.safetensors file")
+    add_model_args(p)
+    p.add_argument("--data", required=True,
+                   help="local .txt/.jsonl/.parquet file or folder, or a `datasets` name")
+    p.add_argument("--split", default="train", help="dataset split (datasets names only; default train)")
+    p.add_argument("--text-column", default="text", help="text field of .jsonl/.parquet/datasets (default text)")
+    p.add_argument("--seq-len", type=int, default=8192,
+                   help="sample length in tokens: use your production context length (default 8192)")
+    p.add_argument("--num-samples", type=int, default=4, help="number of packed samples (default 4)")
+    p.add_argument("--chunk-size", type=int, default=2048, help="chunked-prefill size (default 2048)")
+    p.add_argument("--statistic", default="absmax", choices=["absmax", "percentile"], help="K range statistic")
+    p.add_argument("--percentile", type=float, default=99.99, help="for --statistic percentile (default 99.99)")
+    p.add_argument("--out", default="kv_scales.safetensors", help="output file (default kv_scales.safetensors)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_calibrate)

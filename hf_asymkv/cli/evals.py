@@ -1,0 +1,241 @@
+"""`hf-asymkv eval synthetic | needle | attention | ppl | report`: arguments, checks before the model loads, output.
+
+Every command prints its markdown table; with ``--out DIR`` it also writes ``<name>.json`` (rows, summary,
+the exact command, model, versions, seeds, threads), ``<name>.md`` and its PNG figure, each atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .args import add_model_args, command_line, float_list, int_list, load_model_from_args, set_threads
+
+__all__ = ["add_parser"]
+
+DEFAULT_SCHEMES = ("dynamic,hf-quanto-int4,hf-fp8,asymkv,asymkv-fp8,k4v4-sym,k4v8-inverted,int8-per-tensor,"
+                   "asymkv-sinks4,asymkv-w32,asymkv-w512")
+
+
+def _prepare(args, needs_text: bool):
+    """Checks that need no model, then threads, model and the schemes it supports.
+
+    Returns:
+        ``(model, tokenizer, schemes, skipped, text, text_source)``.
+    """
+    from ..evals.common import check_schemes, schemes_for
+    from ..evals.haystack import load_text
+    from ..plots import require_matplotlib
+
+    schemes = check_schemes([s for s in args.schemes.split(",") if s])
+    text, source = load_text(args.text_file) if needs_text else (None, None)
+    if args.out:
+        require_matplotlib()  # fail now, not after an hour of measuring
+    set_threads(args.threads)
+    model, tokenizer = load_model_from_args(args)
+    schemes, skipped = schemes_for(model, schemes)
+    return model, tokenizer, schemes, skipped, text, source
+
+
+def _meta(args, model, seconds: float, **settings) -> dict:
+    from ..evals.common import run_meta
+
+    return run_meta(model, args.model, command_line(args), seconds=round(seconds, 1), **settings)
+
+
+def _write_md(path: Path, meta: dict, table: str) -> None:
+    from ..core.fileio import atomic_write_text
+
+    atomic_write_text(path, f"Command: `{meta['command']}`\n\n{table}\n")
+
+
+def _cmd_needle(args) -> int:
+    from ..evals.needle import TASKS
+    from ..evals.figures import plot_needle_heatmaps
+    from ..evals.report import flips, needle_markdown, write_json
+    from ..evals.retrieval import accuracy_table, heatmap_grid, run_needle
+
+    tasks = [t for t in args.tasks.split(",") if t]
+    if bad := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"--tasks: unknown task(s) {bad}; known tasks: {list(TASKS)}")
+    if bad := [d for d in args.depths if not 0.0 <= d <= 1.0]:
+        raise ValueError(f"--depths must be in [0, 1], got {bad}")
+    if args.text_file is not None and args.haystack != "text":
+        raise ValueError(f"--haystack-file is the text haystack's source; add --haystack text "
+                         f"(got --haystack {args.haystack})")
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.haystack == "text")
+    start = time.perf_counter()
+    rows = run_needle(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples, args.haystack, text,
+                      args.seed, show_progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
+    agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
+                 for s in schemes}
+    table = needle_markdown(by_length, by_task, args.lengths, tasks, agreement, flips([asdict(r) for r in rows]),
+                            skipped)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        grids = {s: heatmap_grid(rows, s, args.lengths, args.depths) for s in schemes}
+        meta = _meta(args, model, seconds, haystack=args.haystack, text_source=source, seed=args.seed,
+                     samples=args.samples)
+        write_json(out / "needle.json", {
+            "meta": meta, "schemes": schemes, "skipped": skipped, "lengths": args.lengths, "depths": args.depths,
+            "tasks": tasks, "accuracy_by_length": by_length, "accuracy_by_task": by_task,
+            "same_tokens_as_full": agreement, "heatmaps": grids, "rows": [asdict(r) for r in rows]})
+        _write_md(out / "needle.md", meta, table)
+        plot_needle_heatmaps(grids, args.lengths, args.depths,
+                             f"{args.model.split('/')[-1]}: needle accuracy ({args.haystack} haystack, "
+                             f"{', '.join(tasks)})", out / "needle_heatmaps.png")
+    return 0
+
+
+def _cmd_attention(args) -> int:
+    from ..evals.attention import induction_scores, run_attention
+    from ..evals.figures import plot_attention_layers
+    from ..evals.report import attention_markdown, write_json
+
+    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False)
+    start = time.perf_counter()
+    rows = run_attention(model, tokenizer, schemes, args.length, args.samples, args.queries, seed=args.seed,
+                         show_progress=not args.quiet)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else None
+    induction = induction_scores(model, seed=args.seed, prefix_ids=bos)
+    seconds = time.perf_counter() - start
+    table = attention_markdown(rows, induction, skipped)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        meta = _meta(args, model, seconds, length=args.length, samples=args.samples, queries=args.queries,
+                     seed=args.seed)
+        write_json(out / "attention.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
+                                            "induction": induction, "rows": [asdict(r) for r in rows]})
+        _write_md(out / "attention.md", meta, table)
+        plot_attention_layers(rows, induction, f"{args.model.split('/')[-1]}, {args.length} tokens, last "
+                              f"{args.queries} queries", out / "attention_layers.png")
+    return 0
+
+
+def _cmd_ppl(args) -> int:
+    from ..evals.ppl import run_ppl
+    from ..evals.report import ppl_markdown, write_json
+
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, True)
+    start = time.perf_counter()
+    rows = run_ppl(model, tokenizer, schemes, text, args.length, args.windows, args.prefix, args.chunk,
+                   show_progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    table = ppl_markdown(rows, skipped)
+    print(table)
+    if args.out:
+        meta = _meta(args, model, seconds, text_source=source, length=args.length, windows=args.windows,
+                     prefix=args.prefix or args.length // 2, chunk=args.chunk)
+        write_json(Path(args.out) / "ppl.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
+                                                 "rows": [asdict(r) for r in rows]})
+        _write_md(Path(args.out) / "ppl.md", meta, table)
+        _plot_ppl(Path(args.out), meta["model"], [asdict(r) for r in rows], args.length)
+    return 0
+
+
+def _plot_ppl(folder: Path, model: str, rows: list[dict], length: int) -> None:
+    from ..evals.figures import plot_ppl
+
+    plot_ppl(rows, f"{model.split('/')[-1]}: perplexity through each scheme ({length}-token windows)",
+             folder / "ppl.png")
+
+
+def _cmd_report(args) -> int:
+    from ..core.fileio import atomic_write_text
+    from ..evals.figures import plot_summary
+    from ..evals.report import read_results, summary_markdown
+
+    folder = Path(args.folder).expanduser()
+    needle, attention, ppl = read_results(folder)
+    table = summary_markdown(needle, attention, ppl)
+    print(table)
+    atomic_write_text(folder / "summary.md", table + "\n")
+    if ppl:  # redrawn from the JSON, so a folder from an older run gets the figure too
+        _plot_ppl(folder, ppl["meta"]["model"], ppl["rows"], ppl["meta"]["length"])
+    if needle and ppl:
+        delta = {r["scheme"]: r["delta_pct"] for r in ppl["rows"]}
+        points = {s: (delta[s], acc["all"]) for s, acc in needle["accuracy_by_length"].items() if s in delta}
+        plot_summary(points, f"{needle['meta']['model'].split('/')[-1]}: perplexity misses what retrieval shows",
+                     folder / "summary.png")
+    return 0
+
+
+def _cmd_eval_synthetic(args) -> int:
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from ..core.fileio import atomic_write_text
+    from ..evals.synthetic import format_synthetic, run_synthetic
+
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    rows = run_synthetic(args.seeds)
+    table = format_synthetic(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        atomic_write_text(out / "synthetic.json", json.dumps({"seeds": args.seeds, "rows": [asdict(r) for r in rows]},
+                                                              indent=2))
+        atomic_write_text(out / "synthetic.md", table + "\n")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None) -> None:
+    add_model_args(p)
+    p.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated scheme names (dynamic is always "
+                   "added first as the reference; schemes a model cannot use are listed as skipped)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", default=None, help=f"folder for {name}.json, {name}.md and the figure")
+    if text_flag:
+        p.add_argument(text_flag, dest="text_file", default=None, help="local UTF-8 text file (default: the "
+                       "built-in corpus, Python's pydoc_data.topics)")
+
+
+def add_parser(sub) -> None:
+    """The ``eval`` command and its subcommands."""
+    p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity")
+    evals = p.add_subparsers(dest="eval_command", required=True)
+    e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
+    e.add_argument("--seeds", type=int, default=5, help="number of random heads (default 5)")
+    e.add_argument("--out", default=None, help="folder for synthetic.json and synthetic.md")
+    e.set_defaults(func=_cmd_eval_synthetic)
+
+    e = evals.add_parser("needle", help="RULER-style needle retrieval grid (length x depth x task) per scheme")
+    _common(e, "needle", "--haystack-file")
+    e.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8192],
+                   help="token budgets, prompt + answer (default 1024,2048,4096,8192)")
+    e.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
+    e.add_argument("--tasks", default="single,multikey,multivalue,multiquery", help="comma-separated tasks")
+    e.add_argument("--samples", type=int, default=1, help="prompts per (length, depth, task) cell (default 1)")
+    e.add_argument("--haystack", default="noise", choices=["noise", "needles", "text"],
+                   help="filler: repeated noise, distractor needles, or natural text (--haystack-file)")
+    e.set_defaults(func=_cmd_needle)
+
+    e = evals.add_parser("attention", help="per-layer attention KL and top-k overlap vs full precision")
+    _common(e, "attention")
+    e.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    e.add_argument("--samples", type=int, default=2, help="prompts, needle depths spread (default 2)")
+    e.add_argument("--queries", type=int, default=32, help="last prompt tokens whose attention is compared")
+    e.set_defaults(func=_cmd_attention)
+
+    e = evals.add_parser("ppl", help="perplexity through each scheme's quantized history, on long text")
+    _common(e, "ppl", "--text-file")
+    e.add_argument("--length", type=int, default=4096, help="window length in tokens (default 4096)")
+    e.add_argument("--windows", type=int, default=2, help="windows at evenly spaced text offsets (default 2)")
+    e.add_argument("--prefix", type=int, default=None, help="tokens prefilled before scoring (default length/2)")
+    e.add_argument("--chunk", type=int, default=64, help="tokens per scoring call (default 64)")
+    e.set_defaults(func=_cmd_ppl)
+
+    e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")
+    e.add_argument("folder", help="an --out folder holding needle.json / attention.json / ppl.json")
+    e.set_defaults(func=_cmd_report)

@@ -1,0 +1,227 @@
+"""Opt-in fused attention over the quantized cache: ``attn_implementation="asymkv_sdpa"``.
+
+With the default attention, :class:`~hf_asymkv.core.layer.AsymKVLayer` hands transformers dense K/V: every closed
+block is decoded into a full-precision ``[B, H, seq, D]`` tensor at each step. After :func:`register` and
+loading the model with ``attn_implementation="asymkv_sdpa"``, the layers hand over a :class:`QuantizedKV`
+instead and this module's attention never builds dense K or V for the quantized region:
+
+- keys (scales per block and channel, i.e. ``channel``/``tensor`` granularity): the scale is folded into the
+  query, ``q . (s * c) = (q * s) . c``, one small matmul per block against the raw codes;
+- values (per-token scale and zero): they are folded into the attention weights,
+  ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``.
+
+The codes are still converted to floats for the matmuls (PyTorch has no int8 x float matmul on CPU), so the
+win over the dense path is the skipped scale passes and dense copies, not fewer bytes read; a fused GPU kernel
+would read the codes directly. Cases this path does not fold (softcapping, sliding windows, attention sinks
+``s_aux``, dropout in training, per-token K scales) decode densely and use transformers' SDPA, so results are
+always those of the reference path up to float rounding (tests check both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quant import QuantSpec, decode_codes, dequantize
+
+__all__ = ["ATTN_IMPLEMENTATION", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention", "register"]
+
+ATTN_IMPLEMENTATION = "asymkv_sdpa"
+
+
+@dataclass
+class QuantizedKV:
+    """One layer's K or V as stored: ``[prefix (exact)][quantized codes][tail (exact)]`` along the token axis.
+
+    Attributes:
+        prefix: ``[B, H, ns, D]`` exact sink tokens, or None.
+        codes: ``[B, H, N, packed_dim]`` codes of the quantized region (N may be 0).
+        scale, zero: ``[B, H, N // tg, D // cg]`` (zero None for symmetric specs).
+        spec, block_size: how the codes were made.
+        tail: ``[B, H, m, D]`` exact recent tokens (those quantized in this very call included).
+    """
+
+    prefix: torch.Tensor | None
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    spec: QuantSpec
+    block_size: int
+    tail: torch.Tensor
+
+    @property
+    def n_prefix(self) -> int:
+        return 0 if self.prefix is None else self.prefix.shape[2]
+
+    @property
+    def shape(self) -> torch.Size:
+        b, h, m, d = self.tail.shape
+        return torch.Size((b, h, self.n_prefix + self.codes.shape[2] + m, d))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tail.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tail.device
+
+    def dense(self) -> torch.Tensor:
+        """``[B, H, seq, D]`` in the tail's dtype: the reference read-out (one vectorized decode)."""
+        ns, n = self.n_prefix, self.codes.shape[2]
+        if ns == 0 and n == 0:
+            return self.tail
+        out = self.tail.new_empty(self.shape)
+        if ns:
+            out[:, :, :ns] = self.prefix
+        if n:
+            dequantize(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
+                       out=out[:, :, ns : ns + n])
+        out[:, :, ns + n :] = self.tail
+        return out
+
+
+def _foldable(kv: QuantizedKV, head_dim: int) -> bool:
+    """Scales shared by whole blocks (channel/tensor granularity) fold into the query or the weights."""
+    return kv.spec.groups(head_dim, kv.block_size)[0] == kv.block_size
+
+
+def _expand_channels(meta: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[B, H, G_t, D // cg]`` -> ``[B, H, G_t, D]`` (one value per channel)."""
+    return meta.repeat_interleave(head_dim // meta.shape[-1], dim=-1) if meta.shape[-1] != head_dim else meta
+
+
+def _key_scores(q: torch.Tensor, k: QuantizedKV) -> torch.Tensor:
+    """``q @ K_quant^T`` without dequantizing K: ``[B, H, Q, N]`` for ``q`` ``[B, H, Q, D]``.
+
+    Per block ``b``: ``q . (s_b * c + z_b) = (q * s_b) . c + q . z_b``.
+    """
+    b, h, nq, d = q.shape
+    n, bs = k.codes.shape[2], k.block_size
+    codes = decode_codes(k.codes, k.spec, dtype=q.dtype).view(b, h, n // bs, bs, d)
+    scale = _expand_channels(k.scale.to(q.dtype), d)  # [B, H, nblk, D]
+    qs = q[:, :, None] * scale[:, :, :, None, :]  # [B, H, nblk, Q, D]
+    scores = qs @ codes.transpose(-1, -2)  # [B, H, nblk, Q, bs]
+    if k.zero is not None:
+        zero = _expand_channels(k.zero.to(q.dtype), d)
+        scores += (q[:, :, None] @ zero[:, :, :, :, None])  # [B, H, nblk, Q, 1]
+    return scores.permute(0, 1, 3, 2, 4).reshape(b, h, nq, n)
+
+
+def _value_mix(p: torch.Tensor, v: QuantizedKV, head_dim: int) -> torch.Tensor:
+    """``p @ V_quant`` without dequantizing V: ``[B, H, Q, D]`` for weights ``p`` ``[B, H, Q, N]``."""
+    b, h, nq, n = p.shape
+    tg, cg = v.spec.groups(head_dim, v.block_size)
+    codes = decode_codes(v.codes, v.spec, dtype=p.dtype)  # [B, H, N, D]
+    scale = v.scale.to(p.dtype)
+    zero = None if v.zero is None else v.zero.to(p.dtype)
+    if tg == 1:  # per-token groups of cg channels: fold the scale into the weights, group by group
+        groups = head_dim // cg
+        if groups == 1:
+            out = (p * scale[..., 0][:, :, None, :]) @ codes
+        else:
+            w = p[..., None] * scale[:, :, None]  # [B, H, Q, N, G]
+            c = codes.view(b, h, n, groups, cg).transpose(2, 3)  # [B, H, G, N, cg]
+            out = (w.permute(0, 1, 4, 2, 3) @ c).permute(0, 1, 3, 2, 4).reshape(b, h, nq, head_dim)
+        if zero is not None:
+            out += (p @ zero).repeat_interleave(cg, dim=-1)
+        return out
+    # scales per block (channel/tensor granularity): mix each block's raw codes, then scale the block sums
+    nblk = n // tg
+    pb = p.view(b, h, nq, nblk, tg).transpose(2, 3)  # [B, H, nblk, Q, tg]
+    mixed = pb @ codes.view(b, h, nblk, tg, head_dim)  # [B, H, nblk, Q, D]
+    out = (mixed * _expand_channels(scale, head_dim)[:, :, :, None, :]).sum(2)
+    if zero is not None:
+        out += (pb.sum(-1)[..., None] * _expand_channels(zero, head_dim)[:, :, :, None, :]).sum(2)
+    return out
+
+
+def _parts(kv: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact tokens before and after the quantized region: ``([B, H, ns, D], [B, H, m, D])``."""
+    prefix = kv.prefix if kv.prefix is not None else kv.tail[:, :, :0]
+    return prefix, kv.tail
+
+
+def _mask_bias(attention_mask: torch.Tensor | None, b: int, h: int, n_rep: int, q_len: int, kv_len: int,
+               dtype: torch.dtype, device) -> torch.Tensor | None:
+    """Additive ``[B, H, n_rep * q, kv]`` bias (0 / -inf) from a bool or float mask, or the causal one if None."""
+    if attention_mask is None:
+        if q_len == 1:
+            return None
+        rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        attention_mask = (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+    mask = attention_mask[..., -kv_len:]  # [B or 1, 1 or Hq, q, kv]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    # one mask for all heads: repeat it for each of a KV head's n_rep query heads; per-head masks: group them
+    heads = n_rep if mask.shape[1] == 1 else h * n_rep
+    return mask.to(dtype).expand(b, heads, q_len, kv_len).reshape(b, -1, n_rep * q_len, kv_len)
+
+
+def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, attention_mask: torch.Tensor | None,
+                    scaling: float) -> torch.Tensor:
+    """Softmax attention of ``query`` ``[B, Hq, q, D]`` over quantized K/V; returns ``[B, q, Hq, D_v]``.
+
+    Grouped-query heads are packed (``Hq = H * n_rep``): each K/V head serves its ``n_rep * q`` query rows.
+    Scores and softmax run in float32 for half-precision inputs.
+    """
+    b, hq, q_len, d = query.shape
+    h = key.tail.shape[1]
+    n_rep = hq // h
+    work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q = (query.to(work) * scaling).reshape(b, h, n_rep * q_len, d)  # query is often a transposed view
+    k_pre, k_tail = _parts(key)
+    v_pre, v_tail = _parts(value)
+    n = key.codes.shape[2]
+    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q, key) if n else q[..., :0],
+                        q @ k_tail.to(work).transpose(-1, -2)], dim=-1)  # [B, H, n_rep*q, kv]
+    bias = _mask_bias(attention_mask, b, h, n_rep, q_len, scores.shape[-1], work, query.device)
+    if bias is not None:
+        scores = scores + bias
+    p = scores.softmax(dim=-1)
+    ns = k_pre.shape[2]
+    out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n :] @ v_tail.to(work)
+    if n:
+        out += _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
+    dv = out.shape[-1]
+    return out.view(b, h, n_rep, q_len, dv).reshape(b, hq, q_len, dv).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                          is_causal=None, **kwargs):
+    """transformers attention function (``AttentionInterface``) for ``attn_implementation="asymkv_sdpa"``.
+
+    Dense K/V (layers that are not quantized, or nothing quantized yet) go to transformers' SDPA unchanged;
+    :class:`QuantizedKV` goes through :func:`fused_attention` when it can be folded, else is decoded densely.
+    Returns ``(attn_output [B, q, Hq, D], None)`` like the SDPA path.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if isinstance(key, QuantizedKV):
+        d = key.tail.shape[-1]
+        unsupported = (kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None
+                       or kwargs.get("s_aux") is not None or (dropout > 0 and module.training)
+                       or not _foldable(key, d))
+        if key.codes.shape[2] and not unsupported:
+            scale = scaling if scaling is not None else d**-0.5
+            return fused_attention(query, key, value, attention_mask, scale), None
+        key, value = key.dense(), value.dense()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def register() -> str:
+    """Register ``"asymkv_sdpa"`` with transformers' attention and mask interfaces; returns the name.
+
+    Nothing is registered on import. Use it with
+    ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="asymkv_sdpa")`` (or
+    ``model.set_attn_implementation("asymkv_sdpa")``); an :class:`~hf_asymkv.AsymKVCache` built from such a
+    model's config hands its layers' K/V over as :class:`QuantizedKV`. Masks are those of SDPA.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, asymkv_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,240 @@
+"""`AsymKVCache`: a `transformers.Cache` that builds one layer object per model layer from the config.
+
+Full-attention layers get an :class:`~hf_asymkv.core.layer.AsymKVLayer`; sliding-window and chunked layers keep
+transformers' own bounded full-precision `DynamicSlidingWindowLayer` (a window of a few hundred or thousand
+tokens is not where long-context memory goes); layers without KV (linear attention, shared-KV consumers,
+MLP-only) get whatever transformers' `DynamicCache` would give them. The container stays dumb: every storage
+decision lives in the layer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, DynamicCache, get_layer_types_and_kwargs
+
+from .attention import ATTN_IMPLEMENTATION
+from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
+from .layer import AsymKVLayer
+from .scales import KVScales
+
+__all__ = ["AsymKVCache", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
+
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+"""Layer types kept in transformers' own bounded full-precision sliding-window layer."""
+
+
+def _head_dim(config: PreTrainedConfig) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        head_dim = config.hidden_size // config.num_attention_heads
+    return int(head_dim)
+
+
+def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedConfig]:
+    """One config per layer: heterogeneous configs (e.g. Gemma4, whose full-attention layers have their own
+    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is None or len(per_layer) != n_layers:
+        return [config] * n_layers
+    return [per_layer[i] for i in range(n_layers)]
+
+
+def layer_types(config: PreTrainedConfig) -> list[str]:
+    """Per-layer cache type of a (text) config, exactly as transformers' own `DynamicCache` sees it.
+
+    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"``; missing ``layer_types`` are
+    inferred per layer (``get_layer_types_and_kwargs``, the resolution `DynamicCache` itself uses).
+    """
+    return list(get_layer_types_and_kwargs(config)[0])
+
+
+def kv_layer_indices(config: PreTrainedConfig) -> list[int]:
+    """Indices of the layers that hold KV (full or sliding attention) of a model config."""
+    types = layer_types(config.get_text_config(decoder=True))
+    return [i for i, t in enumerate(types) if t == "full_attention" or t in SLIDING_LAYER_TYPES]
+
+
+class AsymKVCache(Cache):
+    """Asymmetric KV cache: keys 8-bit per channel, values 4-bit per token, recent tokens exact.
+
+    Args:
+        config: the model config (`model.config`); multimodal configs use their text decoder.
+        cache_config: an :class:`~hf_asymkv.core.config.AsymKVConfig` (default: ``AsymKVConfig()``).
+        scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`~hf_asymkv.core.scales.KVScales`
+            (validated against ``config``). Full-attention layers then use the calibrated per-channel K scale
+            for every block, except where a key exceeds it (``overflow_policy``).
+        key_absmax: calibrated per-layer K ranges as tensors, ``{layer_idx: Tensor[kv_heads, head_dim]}``
+            (what ``scales`` provides; give one or the other).
+        **settings: any :class:`~hf_asymkv.core.config.AsymKVConfig` field (``key_format``, ``value_bits``,
+            ``residual_length``, ``sink_tokens``, ...), applied over ``cache_config``.
+
+    Raises:
+        ValueError: an unknown or invalid setting, a group size that does not divide the model's head_dim,
+            scales of another model, or a config without attention layers (the message names the problem).
+
+    Example::
+
+        cache = AsymKVCache(model.config)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+        cache.memory_footprint()["total"], cache.stats()["tokens_quantized"]
+
+    When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
+    the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
+    """
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        cache_config: AsymKVConfig | None = None,
+        *,
+        scales: str | os.PathLike | KVScales | None = None,
+        key_absmax: dict[int, torch.Tensor] | None = None,
+        **settings,
+    ):
+        if not isinstance(config, PreTrainedConfig):
+            raise ValueError(f"config must be a transformers PreTrainedConfig (model.config), got {type(config).__name__}.")
+        if cache_config is not None and not isinstance(cache_config, AsymKVConfig):
+            raise ValueError(f"cache_config must be an AsymKVConfig, got {type(cache_config).__name__}.")
+        cache_config = (cache_config or AsymKVConfig()).replace(**settings) if settings else cache_config or AsymKVConfig()
+        text_config = config.get_text_config(decoder=True)
+        self.scales = None
+        if scales is not None:
+            if key_absmax is not None:
+                raise ValueError("give calibrated ranges as scales= or as key_absmax=, not both.")
+            self.scales = scales if isinstance(scales, KVScales) else KVScales.load(scales, config)
+            if isinstance(scales, KVScales):
+                scales.validate(config)
+            key_absmax = dict(self.scales.k_channel_absmax)
+
+        types = layer_types(text_config)
+        if not any(t == "full_attention" or t in SLIDING_LAYER_TYPES for t in types):
+            declared = getattr(text_config, "layer_types", None) or types
+            raise ValueError(
+                f"config {type(config).__name__} has no attention layers (layer types {sorted(set(declared))}); "
+                "AsymKVCache needs at least one full or sliding attention layer."
+            )
+        # Group sizes must divide the head_dim of every layer that quantizes (the full-attention ones).
+        layer_configs = _layer_configs(text_config, len(types))
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        head_dims = sorted({_head_dim(layer_configs[i]) for i in full or range(len(types))})
+        self.cache_config = cache_config.resolved(head_dims)
+
+        if key_absmax is not None:
+            if self.cache_config.key_granularity != "channel":
+                raise ValueError("calibrated key ranges need key_granularity='channel', "
+                                 f"got {self.cache_config.key_granularity!r}.")
+            if scales is not None:  # a scales file covers every layer with KV; we use the full-attention ones
+                key_absmax = {i: k for i, k in key_absmax.items() if i in full}
+            bad = sorted(set(key_absmax) - set(full))
+            if bad:
+                raise ValueError(f"calibrated key ranges given for layers {bad}, which are not full-attention layers.")
+        # Decided once, here: the fused attention takes QuantizedKV, every other attention needs dense K/V.
+        self.fused_attention = ATTN_IMPLEMENTATION in (getattr(config, "_attn_implementation", None),
+                                                       getattr(text_config, "_attn_implementation", None))
+        super().__init__(layers=self._build_layers(text_config, types, key_absmax or {}))
+
+    @property
+    def settings(self) -> dict:
+        """The resolved settings (group sizes chosen for this model) as a plain dict."""
+        return self.cache_config.settings()
+
+    @property
+    def key_spec(self):
+        return self.cache_config.key_spec()
+
+    @property
+    def value_spec(self):
+        return self.cache_config.value_spec()
+
+    @classmethod
+    def from_pretrained(cls, dir_or_repo_id: str | os.PathLike, config: PreTrainedConfig, *,
+                        revision: str | None = None, token: str | None = None, **overrides) -> AsymKVCache:
+        """A cache with published scales: a folder written by ``hf-asymkv publish`` or a Hub repo holding one.
+
+        Args:
+            dir_or_repo_id: local publish folder, or Hub repo id (downloads only ``kv_scales.safetensors``,
+                ``asymkv_config.json`` and ``README.md``).
+            config: the model config (``model.config``); the scales must belong to it.
+            revision, token: for Hub repos.
+            **overrides: ``AsymKVConfig`` settings that win over the published ones.
+
+        Raises:
+            ValueError: malformed publication or scales for another model (the message names the problem).
+            OSError: not a local folder and the Hub download failed.
+
+        Example::
+
+            cache = AsymKVCache.from_pretrained("org/model-asymkv-scales", config=model.config)
+            out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+        """
+        from .pretrained import load_published
+
+        for name in ("scales", "key_absmax", "cache_config"):
+            if name in overrides:
+                raise ValueError(f"from_pretrained takes its ranges and settings from {dir_or_repo_id!r}; "
+                                 f"do not pass {name}= (pass single settings as overrides).")
+        if not isinstance(config, PreTrainedConfig):
+            raise ValueError("config must be a transformers PreTrainedConfig (model.config), "
+                             f"got {type(config).__name__}.")
+        scales, cache_config = load_published(dir_or_repo_id, config, revision=revision, token=token)
+        return cls(config, cache_config, scales=scales, **overrides)
+
+    def _build_layers(self, text_config, types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
+        # What DynamicCache builds for this config (one layer per layer type): reused for every layer we do not
+        # quantize, so sliding windows, linear attention and KV-sharing layers behave exactly as transformers'.
+        fallback = DynamicCache(config=text_config).layers
+        c = self.cache_config
+        key_spec, value_spec = c.key_spec(), c.value_spec()
+        layers = []
+        for i, layer_type in enumerate(types):
+            if layer_type == "full_attention":
+                layers.append(AsymKVLayer(
+                    key_spec, value_spec, block_size=c.key_block_size, residual_length=c.residual_length,
+                    sink_tokens=c.sink_tokens, growth_factor=c.growth_factor, max_growth_tokens=c.max_growth_tokens,
+                    key_absmax=key_absmax.get(i), overflow_policy=c.overflow_policy,
+                    return_views=self.fused_attention,
+                ))  # fmt: skip
+            else:
+                layers.append(fallback[i])
+        return layers
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Real bytes of every tensor the cache holds, unused capacity included.
+
+        Returns:
+            ``{part: bytes}`` for the quantized layers' parts (codes, scales, zeros, sinks, window,
+            ``unused_capacity`` as an informational subset), ``full_precision_layers`` for the layers kept
+            exact (sliding windows), ``total``, and ``bf16_equivalent``: what a bf16 ``DynamicCache`` would hold
+            for the same tokens (``2 * 2 bytes * batch * kv_heads * seq * head_dim`` per layer, sliding layers
+            at their own window).
+        """
+        parts: Counter = Counter()
+        for layer in self.layers:
+            if isinstance(layer, AsymKVLayer):
+                parts.update(layer.memory_footprint())
+                if layer.is_initialized:
+                    parts["bf16_equivalent"] += layer.dense_elements() * 2
+            else:
+                held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
+                parts["full_precision_layers"] += sum(t.numel() * t.element_size() for t in held)
+                parts["bf16_equivalent"] += sum(t.numel() * 2 for t in held)
+        total = sum(v for k, v in parts.items() if k not in ("unused_capacity", "bf16_equivalent"))
+        return {**dict(parts), "total": total, "bf16_equivalent": parts["bf16_equivalent"]}
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,
+        ``key_overflow_channels``, ``key_widened_blocks``, ``key_clipped_values``, ``requantized_tokens``."""
+        total: Counter = Counter()
+        for layer in self.layers:
+            if isinstance(layer, AsymKVLayer):
+                total.update(layer.stats)
+        keys = ("tokens_quantized", "blocks_quantized", "flushes", "key_overflow_channels", "key_widened_blocks",
+                "key_clipped_values", "requantized_tokens")
+        return {k: int(total.get(k, 0)) for k in keys} | {k: int(v) for k, v in total.items() if k not in keys}
+
+    def __repr__(self) -> str:
+        return f"AsymKVCache({self.cache_config.describe()}, layers={len(self.layers)})"

@@ -1,0 +1,183 @@
+"""`AsymKVConfig`: every setting of the cache, declared and validated in one place.
+
+`AsymKVCache`, the published ``asymkv_config.json``, the presets and the command line all read this one
+frozen dataclass. A config is model-agnostic: group sizes may be left to ``None`` and are resolved against a
+model's head dims by :meth:`AsymKVConfig.resolved`, which also builds the two :class:`QuantSpec`.
+
+The dict form (:meth:`AsymKVConfig.to_dict`) carries ``config_version``; :meth:`AsymKVConfig.from_dict`
+reads every version it knows and refuses newer ones by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .quant import GRANULARITIES, QuantSpec
+
+__all__ = ["AsymKVConfig", "CONFIG_VERSION", "KEY_FORMATS", "OVERFLOW_POLICIES", "VALUE_BITS"]
+
+KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
+"""Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/2-bit for ablations and presets."""
+VALUE_BITS = (2, 4, 8)
+"""Value code widths (asymmetric integer, scale + zero per group, unless ``value_symmetric``)."""
+OVERFLOW_POLICIES = ("widen", "clip", "error")
+"""What a calibrated layer does with a key beyond its range: widen that block's scale (counted), saturate
+(counted), or raise ``ValueError``."""
+CONFIG_VERSION = 1
+"""Version of the dict form written by :meth:`AsymKVConfig.to_dict`."""
+SUPPORTED_CONFIG_VERSIONS = (1,)
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed) or value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class AsymKVConfig:
+    """How an :class:`~hf_asymkv.AsymKVCache` stores K and V.
+
+    Args:
+        key_format: one of :data:`KEY_FORMATS`; ``int8`` by default (measured, see README).
+        value_bits: one of :data:`VALUE_BITS`.
+        value_group_size: channels per V scale; must divide every quantized layer's head_dim. ``None``: the
+            largest such divisor <= 128 (``min(head_dim, 128)`` for the usual head dims 64/128/256).
+        key_block_size: tokens per quantized block; K per-channel scales are per block.
+        residual_length: newest tokens kept in the model dtype (>= 0).
+        sink_tokens: first tokens kept in the model dtype (>= 0).
+        key_granularity: ``"channel"`` (default), ``"token"`` or ``"tensor"`` (baselines).
+        key_group_size: channels per K scale for ``key_granularity="token"`` (``None``: head_dim).
+        value_granularity: ``"token"`` (default), ``"channel"`` or ``"tensor"`` (baselines).
+        value_symmetric: symmetric V codes (the symmetric K4V4 baseline); default asymmetric.
+        overflow_policy: one of :data:`OVERFLOW_POLICIES`.
+        growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
+        max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
+
+    Raises:
+        ValueError: any field out of range (the message names the field, the value and what is allowed).
+    """
+
+    key_format: str = "int8"
+    value_bits: int = 4
+    value_group_size: int | None = None
+    key_block_size: int = 128
+    residual_length: int = 128
+    sink_tokens: int = 0
+    key_granularity: str = "channel"
+    key_group_size: int | None = None
+    value_granularity: str = "token"
+    value_symmetric: bool = False
+    overflow_policy: str = "widen"
+    growth_factor: float = 1.25
+    max_growth_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        _check_choice("key_format", self.key_format, KEY_FORMATS)
+        _check_choice("value_bits", self.value_bits, VALUE_BITS)
+        _check_choice("key_granularity", self.key_granularity, GRANULARITIES)
+        _check_choice("value_granularity", self.value_granularity, GRANULARITIES)
+        _check_choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
+        if not isinstance(self.value_symmetric, bool):
+            raise ValueError(f"value_symmetric must be True or False, got {self.value_symmetric!r}.")
+        _check_int("key_block_size", self.key_block_size, 1)
+        _check_int("residual_length", self.residual_length, 0)
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("max_growth_tokens", self.max_growth_tokens, 1)
+        for name in ("value_group_size", "key_group_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        growth = self.growth_factor
+        if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth > 1:
+            raise ValueError(f"growth_factor must be a number > 1, got {growth!r}.")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **settings) -> AsymKVConfig:
+        """``AsymKVConfig(**settings)`` with a ``ValueError`` (not ``TypeError``) naming unknown settings."""
+        unknown = sorted(set(settings) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown AsymKVCache settings {unknown}; allowed: {list(cls.field_names())}.")
+        return cls(**settings)
+
+    def replace(self, **overrides) -> AsymKVConfig:
+        """A copy with ``overrides`` applied (validated like a new config)."""
+        return self.from_kwargs(**{**self.settings(), **overrides})
+
+    # ------------------------------------------------------------------ dict form
+    def settings(self) -> dict:
+        """The fields as a plain dict (JSON scalars only)."""
+        return dataclasses.asdict(self)
+
+    def to_dict(self) -> dict:
+        """``{"config_version": 1, <every field>}``: what ``asymkv_config.json`` stores."""
+        return {"config_version": CONFIG_VERSION, **self.settings()}
+
+    @classmethod
+    def from_dict(cls, data, where: str = "settings") -> AsymKVConfig:
+        """Read :meth:`to_dict` output (missing fields take their defaults; no ``config_version`` means 1).
+
+        Raises:
+            ValueError: not a dict, an unsupported version, unknown keys, non-scalar or invalid values; the
+                message starts with ``where``.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        version = data.pop("config_version", 1)
+        if version not in SUPPORTED_CONFIG_VERSIONS:
+            raise ValueError(f"{where}: config_version {version!r} is not supported (supported: "
+                             f"{list(SUPPORTED_CONFIG_VERSIONS)}); upgrade hf-asymkv")
+        for key, value in data.items():
+            if not (value is None or isinstance(value, (str, int, float, bool))):
+                raise ValueError(f"{where}: setting {key!r} must be a JSON scalar, got {value!r}")
+        try:
+            return cls.from_kwargs(**data)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    # ------------------------------------------------------------------ per model
+    def resolved(self, head_dims: list[int]) -> AsymKVConfig:
+        """This config with group sizes chosen for ``head_dims`` (every quantized layer's head_dim).
+
+        Raises:
+            ValueError: a group size that does not divide every head_dim (the message lists the divisors).
+        """
+        g = math.gcd(*head_dims)
+        value_group = self.value_group_size
+        if value_group is None:  # largest divisor of every head_dim that is <= 128
+            value_group = max(d for d in range(1, min(g, 128) + 1) if g % d == 0)
+        key_group = g if self.key_group_size is None else self.key_group_size
+        for name, size in (("value_group_size", value_group), ("key_group_size", key_group)):
+            if any(hd % size for hd in head_dims):
+                divisors = [d for d in range(1, g + 1) if g % d == 0]
+                hd_text = f"head_dim={head_dims[0]}" if len(set(head_dims)) == 1 else f"every head_dim {head_dims}"
+                raise ValueError(f"{name} must divide {hd_text} (one of {divisors}), got {size}.")
+        return dataclasses.replace(self, value_group_size=value_group, key_group_size=key_group)
+
+    def key_spec(self) -> QuantSpec:
+        """Keys: symmetric, bf16 scales (a resolved config: group sizes set)."""
+        return QuantSpec(self.key_format, self.key_granularity, self.key_group_size, True, torch.bfloat16)
+
+    def value_spec(self) -> QuantSpec:
+        """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero."""
+        return QuantSpec(f"int{self.value_bits}", self.value_granularity, self.value_group_size,
+                         self.value_symmetric, torch.float16)
+
+    def describe(self) -> str:
+        """One line for ``repr`` and logs."""
+        return (f"K={self.key_format}/{self.key_granularity}, V=int{self.value_bits}/{self.value_granularity}"
+                f"(g={self.value_group_size}), block={self.key_block_size}, window={self.residual_length}, "
+                f"sinks={self.sink_tokens}")

@@ -1,0 +1,233 @@
+"""One full-attention layer of the asymmetric KV cache: storage, append, dense read-out.
+
+Token order inside a layer::
+
+    [ sinks (exact) ][ quantized blocks ........ ][ window (exact) ]
+      <= sink_tokens   multiple of block_size        >= residual_length once anything is quantized
+
+New tokens enter the window. When the window holds at least ``residual_length + block_size`` tokens, every
+whole block of ``block_size`` tokens that has aged out of the newest ``residual_length`` is quantized *once*
+and appended to the code buffers; a closed block is never re-quantized.
+
+Code buffers grow geometrically (x ``growth_factor``) but by at most ``max_growth_tokens`` at a time: small
+caches get amortized O(1) appends, long ones keep unused capacity to a few percent of real memory. The copy
+on growth costs O(n / max_growth_tokens) per token amortized, far below the O(n) per step that reading the
+cache back costs anyway.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .attention import QuantizedKV
+from .config import OVERFLOW_POLICIES
+from .quant import QuantSpec, scale_from_absmax
+from .store import TensorStore
+
+__all__ = ["AsymKVLayer"]
+
+
+class AsymKVLayer(CacheLayerMixin):
+    """Cache layer with quantized K/V blocks between an exact sink prefix and an exact recent window.
+
+    Args:
+        key_spec: storage of keys (e.g. int8 per-channel).
+        value_spec: storage of values (e.g. asymmetric int4 per-token groups).
+        block_size: tokens per quantized block; K per-channel scales are per block.
+        residual_length: newest tokens always kept exact.
+        sink_tokens: first tokens always kept exact.
+        growth_factor: capacity multiplier when a buffer is full (> 1).
+        max_growth_tokens: the most tokens of capacity one growth adds.
+        key_absmax: optional calibrated K range ``[kv_heads, head_dim]`` (post-RoPE absmax). With it, every
+            block uses the calibrated scale unless a value exceeds it, then ``overflow_policy`` applies.
+        overflow_policy: ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate,
+            counted) or ``"error"`` (raise ``ValueError``).
+        return_views: hand attention :class:`~hf_asymkv.core.attention.QuantizedKV` instead of dense K/V once
+            anything is quantized (for ``attn_implementation="asymkv_sdpa"`` only).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(
+        self,
+        key_spec: QuantSpec,
+        value_spec: QuantSpec,
+        *,
+        block_size: int = 128,
+        residual_length: int = 128,
+        sink_tokens: int = 0,
+        growth_factor: float = 1.25,
+        max_growth_tokens: int = 256,
+        key_absmax: torch.Tensor | None = None,
+        overflow_policy: str = "widen",
+        return_views: bool = False,
+    ):
+        super().__init__()
+        self.return_views = return_views
+        self.key_spec, self.value_spec = key_spec, value_spec
+        self.block_size, self.residual_length, self.sink_tokens = block_size, residual_length, sink_tokens
+        self.growth_factor, self.max_growth_tokens = growth_factor, max_growth_tokens
+        self.key_absmax = key_absmax
+        self.overflow_policy = overflow_policy
+        self.stats: Counter = Counter()
+        self._clear()
+
+    def _clear(self) -> None:
+        args = (self.block_size, self.growth_factor, self.max_growth_tokens)
+        self.key_store = TensorStore("key", self.key_spec, *args)
+        self.value_store = TensorStore("value", self.value_spec, *args)
+        self.cumulative_length = 0
+
+    @property
+    def stores(self) -> tuple[TensorStore, TensorStore]:
+        """``(keys, values)``: every per-kind operation loops over these."""
+        return self.key_store, self.value_store
+
+    # ------------------------------------------------------------------ transformers layer API
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        # V may be narrower than K (e.g. MLA caches a latent as K and the rope part as V).
+        self.key_store.check_width(key_states.shape[-1])
+        self.value_store.check_width(value_states.shape[-1])
+        if self.key_absmax is not None:
+            expected = (key_states.shape[1], key_states.shape[-1])
+            if tuple(self.key_absmax.shape) != expected:
+                raise ValueError(f"Calibrated key range has shape {tuple(self.key_absmax.shape)}, model layer needs {expected}.")
+            self.key_absmax = self.key_absmax.to(self.device, torch.float32)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV]:
+        """Append ``[B, H, n, D]`` keys/values and return dense ``[B, H, seq_len, D]`` keys/values.
+
+        Tokens quantized during this call are returned exact (they are at hand); older blocks come back
+        dequantized in one vectorized op per tensor.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        ks = self.key_store
+        # Sinks take the very first tokens; the rest joins the window, and every whole block that has aged out
+        # of the newest residual_length tokens is quantized.
+        n_sink = min(n, self.sink_tokens - ks.sinks.length) if ks.blocks.length + ks.window.length == 0 else 0
+        n_flush = max(0, (ks.window.length + n - n_sink - self.residual_length) // self.block_size) * self.block_size
+        # The calibrated key scale comes first: with overflow_policy="error" it raises, and must leave the layer
+        # as it was.
+        key_scale = None
+        if n_flush and self.key_absmax is not None:
+            key_scale = self._key_scale(ks.joined(key_states[:, :, n_sink:])[:, :, :n_flush])
+        n_old = ks.blocks.length
+        tails = (ks.push(key_states, n_sink, n_flush, key_scale), self.value_store.push(value_states, n_sink, n_flush))
+        self.cumulative_length += n
+        if n_flush:
+            self.stats["tokens_quantized"] += n_flush
+            self.stats["blocks_quantized"] += n_flush // self.block_size
+            self.stats["flushes"] += 1
+        return tuple(store.read(n_old, tail, self.return_views) for store, tail in zip(self.stores, tails))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+        self.stats.clear()
+        self.is_initialized = False
+
+    def offload(self) -> None:
+        self._map_batch(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.to(self.device, non_blocking=True))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop tokens from the end. Negative: how many to remove; positive (legacy): the length to keep.
+
+        Removing tokens inside a quantized block turns that block's remaining tokens back into window tokens
+        (their dequantized values: what attention already saw); they are re-quantized when they age out
+        again, which ``stats["requantized_tokens"]`` counts.
+        """
+        if not self.is_initialized:
+            return
+        keep = self.cumulative_length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
+        keep = max(0, min(keep, self.cumulative_length))
+        moved = [store.crop(keep, self.dtype) for store in self.stores]
+        self.stats["requantized_tokens"] += moved[0]
+        self.cumulative_length = keep
+
+    # ------------------------------------------------------------------ reporting
+    def buffers(self) -> dict:
+        """Every buffer of both stores by its footprint name (``sink_keys``, ``key_codes``, ...)."""
+        return {**self.key_store.buffers(), **self.value_store.buffers()}
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes of every tensor this layer holds, unused capacity included, by part."""
+        out: Counter = Counter()
+        for store in self.stores:
+            out.update(store.memory_footprint())
+        return dict(out)
+
+    def dense_elements(self) -> int:
+        """Elements K and V would hold in full precision: ``B * H * seq_len * (D_k + D_v)`` (``2 * B * H * seq_len
+        * D`` in the usual case of equal widths)."""
+        for buf in self.key_store.buffers().values():
+            if buf.data is not None:
+                width = self.key_store.head_dim + self.value_store.head_dim
+                return buf.data.shape[0] * buf.data.shape[1] * self.cumulative_length * width
+        return 0
+
+    # ------------------------------------------------------------------ internals
+    def _key_scale(self, k: torch.Tensor) -> torch.Tensor | None:
+        """Per-block K scale from the calibrated range, applying the overflow policy.
+
+        Args:
+            k: ``[B, H, m, D]`` keys about to be quantized (m a multiple of ``block_size``).
+
+        Returns:
+            ``[B, H, m // block_size, D]`` scales in the key spec's scale dtype.
+        """
+        b, h, t, d = k.shape
+        grouped = k.float().abs().nan_to_num(posinf=0.0).view(b, h, t // self.block_size, self.block_size, d)
+        block_amax = grouped.amax(dim=3)  # [B, H, nblk, D]
+        calib = self.key_absmax[None, :, None, :]
+        over = block_amax > calib
+        n_over = int(over.sum())
+        if n_over:
+            self.stats["key_overflow_channels"] += n_over
+            if self.overflow_policy == "error":
+                ratio = float((block_amax / calib).max())
+                raise ValueError(
+                    f"{n_over} key (block, head, channel) ranges exceed the calibrated absmax (worst x{ratio:.3g}) "
+                    "with overflow_policy='error'; use 'widen' (default) or recalibrate on longer samples."
+                )
+            if self.overflow_policy == "clip":
+                self.stats["key_clipped_values"] += int((grouped > calib[:, :, :, None, :]).sum())
+            else:
+                self.stats["key_widened_blocks"] += int(over.any(dim=-1).sum())
+                calib = torch.maximum(block_amax, calib)
+        return scale_from_absmax(calib.expand(b, h, t // self.block_size, d), self.key_spec)
+
+    def _map_batch(self, fn) -> None:
+        for store in self.stores:
+            store.map_batch(fn)

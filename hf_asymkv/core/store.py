@@ -1,0 +1,233 @@
+"""Storage of one tensor kind (keys or values) of one layer: growable buffers, quantized blocks, exact ends.
+
+A :class:`TensorStore` holds, in token order::
+
+    [ sinks (exact) ][ quantized blocks: codes, scales, zeros ][ window (exact) ]
+
+K and V each get one, built from their own :class:`~hf_asymkv.core.quant.QuantSpec`; everything else about
+them is the same code path. :class:`~hf_asymkv.core.layer.AsymKVLayer` decides *how many* tokens go where
+(one decision for both kinds), the stores carry it out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from .attention import QuantizedKV
+from .quant import QuantSpec, compute_scale_zero, dequantize, quantize
+
+__all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
+
+
+class GrowableBuffer:
+    """A tensor that grows along the token axis (dim 2): ``data[:, :, :length]`` is live, the rest capacity."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def live(self) -> torch.Tensor:
+        return self.data[:, :, : self.length]
+
+    def append(self, x: torch.Tensor, growth: float, multiple: int = 1, max_step: int | None = None) -> None:
+        """Append ``x`` (``[B, H, n, ...]``).
+
+        When full, capacity grows by ``growth`` x, by at most ``max_step`` rows, rounded up to ``multiple``:
+        one copy of the live rows per growth, so O(n / max_step) copies over n appended rows.
+        """
+        needed = self.length + x.shape[2]
+        if self.data is None or needed > self.data.shape[2]:
+            cap = 0 if self.data is None else self.data.shape[2]
+            step = math.ceil(cap * (growth - 1))
+            new_cap = max(needed, cap + (step if max_step is None else min(step, max_step)))
+            new_cap = -(-new_cap // multiple) * multiple
+            new = x.new_empty(*x.shape[:2], new_cap, *x.shape[3:])
+            if self.length:
+                new[:, :, : self.length] = self.live
+            self.data = new
+        self.data[:, :, self.length : needed] = x
+        self.length = needed
+
+    def truncate(self, length: int) -> None:
+        self.length = length
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.data is not None:
+            self.data = fn(self.data)
+
+    def nbytes(self) -> tuple[int, int]:
+        """``(allocated bytes, bytes of unused capacity)``."""
+        if self.data is None:
+            return 0, 0
+        per_row = self.data[:, :, :1].numel() * self.data.element_size()
+        return self.data.numel() * self.data.element_size(), (self.data.shape[2] - self.length) * per_row
+
+
+class QuantizedBlocks:
+    """Append-only quantized blocks of one tensor kind.
+
+    Shapes: codes ``[B, H, N, spec.packed_dim(D)]``; scales and zeros ``[B, H, N // tg, D // cg]`` with
+    ``(tg, cg) = spec.groups(D, block_size)`` (zeros stay empty for symmetric specs). ``N`` is a multiple of
+    ``block_size``: blocks are quantized once, whole, and never re-quantized.
+    """
+
+    def __init__(self, spec: QuantSpec, block_size: int, growth_factor: float, max_growth_tokens: int):
+        self.spec, self.block_size = spec, block_size
+        self.growth_factor = growth_factor
+        self.max_step = max(block_size, max_growth_tokens // block_size * block_size)
+        self.codes, self.scales, self.zeros = GrowableBuffer(), GrowableBuffer(), GrowableBuffer()
+
+    @property
+    def length(self) -> int:
+        return self.codes.length
+
+    def token_group(self, head_dim: int) -> int:
+        return self.spec.groups(head_dim, self.block_size)[0]
+
+    def append(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Quantize ``[B, H, m, D]`` (m a multiple of ``block_size``) once and append it.
+
+        Args:
+            scale: a precomputed (calibrated) symmetric scale ``[B, H, m // tg, D // cg]``; measured from
+                ``x`` when None.
+        """
+        zero = None
+        if scale is None:
+            scale, zero = compute_scale_zero(x, self.spec, self.block_size)
+        m = x.shape[2]
+        self.codes.append(quantize(x, scale, zero, self.spec, self.block_size), self.growth_factor,
+                          self.block_size, self.max_step)
+        for buf, meta in ((self.scales, scale), (self.zeros, zero)):
+            if meta is not None:  # metadata rows per token: 1 / token_group
+                buf.append(meta, self.growth_factor, 1, max(1, self.max_step * meta.shape[2] // m))
+
+    def parts(self, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scales, zeros)`` of the first ``n`` quantized tokens (views)."""
+        rows = n // self.token_group(head_dim)
+        zeros = self.zeros.live[:, :, :rows] if self.zeros.length else None
+        return self.codes.live[:, :, :n], self.scales.live[:, :, :rows], zeros
+
+    def decode(self, start: int, stop: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize tokens ``[start, stop)`` (block-aligned): ``[B, H, stop - start, head_dim]``."""
+        tg = self.token_group(head_dim)
+        r0, r1 = start // tg, stop // tg
+        zeros = self.zeros.live[:, :, r0:r1] if self.zeros.length else None
+        return dequantize(self.codes.live[:, :, start:stop], self.scales.live[:, :, r0:r1], zeros, self.spec,
+                          self.block_size, dtype=dtype)
+
+    def truncate(self, n: int, head_dim: int) -> None:
+        """Keep the first ``n`` (block-aligned) tokens."""
+        rows = n // self.token_group(head_dim)
+        self.codes.truncate(n)
+        self.scales.truncate(rows)
+        self.zeros.truncate(rows if self.zeros.length else 0)
+
+    def buffers(self) -> dict[str, GrowableBuffer]:
+        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+
+
+class TensorStore:
+    """Everything one layer stores of one tensor kind (``kind`` is ``"key"`` or ``"value"``).
+
+    Args:
+        kind: names the parts in :meth:`memory_footprint` (``key_codes``, ``sink_keys``, ...).
+        spec: how the quantized blocks are stored.
+        block_size, growth_factor, max_growth_tokens: see :class:`~hf_asymkv.core.layer.AsymKVLayer`.
+    """
+
+    def __init__(self, kind: str, spec: QuantSpec, block_size: int, growth_factor: float, max_growth_tokens: int):
+        self.kind, self.spec, self.growth_factor = kind, spec, growth_factor
+        self.sinks, self.window = GrowableBuffer(), GrowableBuffer()
+        self.blocks = QuantizedBlocks(spec, block_size, growth_factor, max_growth_tokens)
+        self.head_dim = 0
+
+    def check_width(self, head_dim: int) -> None:
+        """Fail at the first update, with the shapes at hand, rather than deep inside a reshape."""
+        self.spec.groups(head_dim, self.blocks.block_size)
+        self.spec.packed_dim(head_dim)
+        self.head_dim = head_dim
+
+    def joined(self, new: torch.Tensor) -> torch.Tensor:
+        """Window + ``new`` tokens; bounded by ``residual_length + block_size + n`` (never the whole cache)."""
+        return new if self.window.length == 0 else torch.cat([self.window.live, new], dim=2)
+
+    def push(self, new: torch.Tensor, n_sink: int, n_flush: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Store ``new`` ``[B, H, n, D]``: the first ``n_sink`` tokens become sinks, the rest join the window,
+        and the oldest ``n_flush`` window tokens (a multiple of the block size) are quantized.
+
+        Returns:
+            the exact tokens after the quantized region as it was before this call (old window + new
+            non-sink tokens, ``[B, H, m, D]``): what attention reads exact in this step, the tokens quantized
+            now included. It may be a view of the window buffer; :meth:`read` never hands it out as is.
+        """
+        if n_sink:
+            self.sinks.append(new[:, :, :n_sink], 1.0)
+            new = new[:, :, n_sink:]
+        if not n_flush:
+            self.window.append(new, self.growth_factor)
+            return self.window.live
+        tail = self.joined(new)
+        self.blocks.append(tail[:, :, :n_flush], scale)
+        self.window.truncate(0)
+        self.window.append(tail[:, :, n_flush:], self.growth_factor)
+        return tail
+
+    def read(self, n_old: int, tail: torch.Tensor, as_views: bool) -> torch.Tensor | QuantizedKV:
+        """What attention gets: sinks + the first ``n_old`` quantized tokens + ``tail``, ``[B, H, seq, D]``.
+
+        Dense (one vectorized decode into a fresh tensor), or with ``as_views`` the stored parts as a
+        :class:`~hf_asymkv.core.attention.QuantizedKV` for the fused attention. Nothing handed out aliases the
+        window buffer, which later updates rewrite in place.
+        """
+        if n_old == 0:
+            if self.sinks.length:
+                return torch.cat([self.sinks.live, tail], dim=2)
+            return tail.clone() if tail._base is not None else tail
+        codes, scales, zeros = self.blocks.parts(n_old, tail.shape[-1])
+        kv = QuantizedKV(self.sinks.live if self.sinks.length else None, codes, scales, zeros, self.spec,
+                         self.blocks.block_size, tail.clone() if as_views and tail._base is not None else tail)
+        return kv if as_views else kv.dense()
+
+    def crop(self, keep: int, dtype: torch.dtype) -> int:
+        """Keep the first ``keep`` tokens. Whole quantized blocks stay; the kept tokens of a partial block go
+        back to the window as their dequantized values (what attention already saw).
+
+        Returns:
+            how many tokens went back from a quantized block to the window.
+        """
+        ns, nq = self.sinks.length, self.blocks.length
+        if keep >= ns + nq:
+            self.window.truncate(keep - ns - nq)
+            return 0
+        self.window.truncate(0)
+        keep_q = max(keep - ns, 0)
+        bs = self.blocks.block_size
+        whole, partial = keep_q // bs * bs, keep_q % bs
+        if partial:
+            block = self.blocks.decode(whole, whole + bs, self.head_dim, dtype)
+            self.window.append(block[:, :, :partial], self.growth_factor)
+        self.blocks.truncate(whole, self.head_dim)
+        self.sinks.truncate(min(keep, ns))
+        return partial
+
+    def buffers(self) -> dict[str, GrowableBuffer]:
+        """Every buffer by its footprint name: ``sink_keys``, ``key_codes``, ..., ``window_keys``."""
+        blocks = {f"{self.kind}_{name}": buf for name, buf in self.blocks.buffers().items()}
+        return {f"sink_{self.kind}s": self.sinks, **blocks, f"window_{self.kind}s": self.window}
+
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for buf in self.buffers().values():
+            buf.map_batch(fn)
+
+    def memory_footprint(self) -> Counter:
+        out: Counter = Counter()
+        for name, buf in self.buffers().items():
+            allocated, unused = buf.nbytes()
+            out[name] += allocated
+            out["unused_capacity"] += unused
+        return out

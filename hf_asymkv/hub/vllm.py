@@ -1,0 +1,219 @@
+"""vLLM interchange: export our ranges as vLLM's per-tensor FP8 KV scales, and import such scales back.
+
+vLLM (and llm-compressor / compressed-tensors checkpoints) keep one FP8-E4M3 dequant multiplier per layer for
+K and one for V: ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` = ``amax / 448``. Our per-channel key
+ranges and per-head value ranges collapse to their maximum on export; on import every channel and head gets
+the layer's single range (so per-channel key precision cannot be recovered from a per-tensor checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..core.cache import kv_layer_indices
+from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
+
+__all__ = ["KV_CACHE_SCHEME", "VLLM_SCALES_FILE", "export_vllm", "read_vllm_scales", "vllm_scale_names"]
+
+VLLM_SCALES_FILE = "kv_scales.safetensors"
+SCHEME_FILE = "kv_cache_scheme.json"
+KV_CACHE_SCHEME = {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                       "symmetric": True}}
+"""compressed-tensors snippet to merge into ``config.json``'s ``quantization_config``."""
+
+# Names vLLM's loader accepts for per-tensor KV scales (it remaps them to `...self_attn.attn.k_scale`):
+#   model.layers.{i}.self_attn.k_scale            (llm-compressor, current)
+#   model.layers.{i}.self_attn.attn.k_scale       (vLLM's own parameter name)
+#   model.layers.{i}.self_attn.k_proj.k_scale     (ModelOpt)
+#   model.layers.{i}.self_attn.k_proj.output_scale (older compressed-tensors)
+# Multimodal checkpoints nest the decoder (`model.language_model.layers`, `language_model.model.layers`).
+_PREFIX = r"(?P<prefix>model\.language_model\.|language_model\.model\.|model\.)?layers\.(?P<layer>\d+)\.self_attn\."
+_NAME_PATTERNS = (
+    re.compile(_PREFIX + r"(?:attn\.)?(?P<kind>[kv])_scale$"),
+    re.compile(_PREFIX + r"(?P<kind>[kv])_proj\.(?P=kind)_scale$"),
+    re.compile(_PREFIX + r"(?P<kind>[kv])_proj\.output_scale$"),
+)
+
+
+def vllm_scale_names(layer: int) -> tuple[str, str]:
+    """vLLM's per-tensor K and V scale names for ``layer``."""
+    return f"model.layers.{layer}.self_attn.k_scale", f"model.layers.{layer}.self_attn.v_scale"
+
+
+def _readme(scales: KVScales) -> str:
+    layers = sorted(scales.k_channel_absmax)
+    model_id = scales.metadata.get("model_id") or "the model"
+    return f"""# FP8 KV-cache scales for vLLM
+
+Exported by hf-asymkv from calibrated ranges of `{model_id}` (layers {layers[0]}-{layers[-1]}, {len(layers)} in all).
+`{VLLM_SCALES_FILE}` holds only vLLM's per-tensor names, one float32 scalar each:
+`model.layers.{{i}}.self_attn.k_scale` and `model.layers.{{i}}.self_attn.v_scale`, the layer's largest key / value
+range divided by {FP8_E4M3_MAX:g} (the FP8-E4M3 dequant multiplier).
+
+## How to use
+
+1. Add the tensors to the checkpoint's weights, e.g. for a single-file checkpoint:
+
+   ```python
+   from safetensors.torch import load_file, save_file
+
+   weights = load_file("CHECKPOINT/model.safetensors")
+   weights.update(load_file("{VLLM_SCALES_FILE}"))
+   save_file(weights, "CHECKPOINT/model.safetensors", metadata={{"format": "pt"}})
+   ```
+
+   For a sharded checkpoint, add them to one shard (or a new file) and list every added name in
+   `model.safetensors.index.json`'s `weight_map`.
+2. Add the contents of `{SCHEME_FILE}` to `quantization_config` in the checkpoint's `config.json`. A
+   checkpoint that has no `quantization_config` needs one with `"quant_method": "compressed-tensors"` around
+   it; check the quantized KV-cache page of your vLLM version's documentation for the exact fields it expects.
+3. Serve: `vllm serve CHECKPOINT --kv-cache-dtype fp8_e4m3`.
+
+## What carries over
+
+vLLM uses one per-tensor scale for K and one for V per layer. hf-asymkv stores keys int8 (or fp8) with a scale
+per channel and values int4 per token; that storage does not carry over, only the ranges do: each layer's
+scale is the maximum over its channels/heads, so channels with small keys get fewer effective bits in vLLM
+than in `AsymKVCache`. Import such scales back with `hf-asymkv export-vllm --from-checkpoint DIR --model M`.
+"""
+
+
+def export_vllm(scales: KVScales | str | Path, out_dir: str | Path, *, config=None, overwrite: bool = False) -> Path:
+    """Write a folder with vLLM's per-tensor KV scales, the ``kv_cache_scheme`` snippet and a how-to.
+
+    Args:
+        scales: a :class:`KVScales` or a ``kv_scales.safetensors`` path.
+        out_dir: the folder to create (built in a temp folder, then renamed).
+        config: optional model config the scales must belong to.
+        overwrite: replace an existing export folder.
+
+    Returns:
+        ``out_dir`` as a Path, holding ``kv_scales.safetensors`` (only ``model.layers.{i}.self_attn.k_scale`` /
+        ``v_scale``, float32, 0-dim), ``kv_cache_scheme.json`` and ``README.md``.
+    """
+    from ..version import __version__
+    from ..core.fileio import write_folder_atomically
+
+    if isinstance(scales, KVScales):
+        scales.validate(config)
+    else:
+        scales = KVScales.load(scales, config)
+    tensors = {}
+    for i in sorted(scales.k_channel_absmax):
+        k_name, v_name = vllm_scale_names(i)
+        tensors[k_name] = torch.tensor(scales.k_scale(i), dtype=torch.float32)
+        tensors[v_name] = torch.tensor(scales.v_scale(i), dtype=torch.float32)
+    meta = {"format": "pt", "producer": "hf_asymkv", "hf_asymkv_version": __version__,
+            "model_id": scales.metadata.get("model_id", ""), "meaning": f"amax / {FP8_E4M3_MAX:g} (FP8-E4M3)"}
+
+    def build(tmp: Path) -> None:
+        save_file(tensors, str(tmp / VLLM_SCALES_FILE), metadata=meta)
+        (tmp / SCHEME_FILE).write_text(json.dumps(KV_CACHE_SCHEME, indent=2) + "\n", encoding="utf-8")
+        (tmp / "README.md").write_text(_readme(scales), encoding="utf-8")
+
+    return write_folder_atomically(out_dir, build, overwrite=overwrite, marker=SCHEME_FILE)
+
+
+def _match(name: str):
+    for pattern in _NAME_PATTERNS:
+        m = pattern.fullmatch(name)
+        if m:
+            return m.group("prefix") or "", int(m.group("layer")), m.group("kind")
+    return None
+
+
+def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None = None) -> KVScales:
+    """Read per-tensor K/V scales from a vLLM / llm-compressor style checkpoint into :class:`KVScales`.
+
+    Scans every ``*.safetensors`` file of a folder (sharded checkpoints included), or one file. Each layer's
+    single range (``scale * 448``) fills all of its channels and heads.
+
+    Args:
+        config: the model config (layer count, KV heads, head_dim; fingerprint of the result).
+        model_id: recorded in the metadata (default: the config's ``_name_or_path``).
+
+    Raises:
+        FileNotFoundError: no such file or folder.
+        ValueError: naming the file / tensor / layer: no safetensors files, unreadable file, no scales found,
+            layers without a K or V scale, non-scalar, non-finite or non-positive scales, conflicting duplicates.
+    """
+    from ..version import __version__
+
+    path = Path(folder_or_file).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no .safetensors files in this folder")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+
+    found: dict[tuple[int, str], tuple[float, str]] = {}  # (layer, "k"/"v") -> (scale, "file: tensor")
+    prefixes: dict[str, str] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names = [(n, m) for n in st.keys() if (m := _match(n))]
+                tensors = {n: st.get_tensor(n) for n, _ in names}
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{f}: not a readable safetensors file (truncated or foreign?): {exc}") from None
+        for name, (prefix, layer, kind) in names:
+            where = f"{f.name}: {name}"
+            prefixes.setdefault(prefix, where)
+            t = tensors[name]
+            if t.numel() != 1 or t.dim() > 1:
+                raise ValueError(f"{where} (layer {layer}): expected a per-tensor scalar scale (shape [] or [1]), "
+                                 f"got shape {list(t.shape)}; per-head or per-channel scales are not supported")
+            value = float(t.float().reshape(()))
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{where} (layer {layer}): {kind}_scale must be finite and > 0, got {value!r}")
+            previous = found.get((layer, kind))
+            if previous is not None and abs(previous[0] - value) > 1e-6 * max(previous[0], value):
+                raise ValueError(f"layer {layer}: conflicting {kind}_scale values {previous[0]!r} ({previous[1]}) "
+                                 f"and {value!r} ({where})")
+            found.setdefault((layer, kind), (value, where))
+    where_all = str(path)
+    if not found:
+        raise ValueError(f"{where_all}: no per-tensor KV scales found (looked for model.layers.{{i}}.self_attn."
+                         "k_scale / v_scale, ...self_attn.attn.k_scale, ...k_proj.output_scale in "
+                         f"{len(files)} file(s))")
+    if len(prefixes) > 1:
+        raise ValueError(f"{where_all}: KV scales under several module prefixes, ambiguous: "
+                         f"{sorted(prefixes.values())}")
+
+    fp = config_fingerprint(config)
+    heads, head_dim, n_layers = fp["num_key_value_heads"], fp["head_dim"], fp["num_hidden_layers"]
+    layers = sorted({layer for layer, _ in found})
+    beyond = [i for i in layers if i >= n_layers]
+    if beyond:
+        raise ValueError(f"{where_all}: scales for layers {beyond}, but the model has {n_layers} layers "
+                         "(a checkpoint of another model?)")
+    missing = [f"layer {i}: no {kind}_scale" for i in sorted(set(layers) | set(kv_layer_indices(config)))
+               for kind in "kv" if (i, kind) not in found]
+    if missing:
+        raise ValueError(f"{where_all}: incomplete KV scales ({len(missing)} missing): " + "; ".join(missing[:8])
+                         + (" ..." if len(missing) > 8 else ""))
+    k_abs = {i: torch.full((heads, head_dim), found[(i, "k")][0] * FP8_E4M3_MAX, dtype=torch.float32)
+             for i in layers}
+    v_abs = {i: torch.full((heads,), found[(i, "v")][0] * FP8_E4M3_MAX, dtype=torch.float32) for i in layers}
+    meta = {
+        "fingerprint": json.dumps(fp),
+        "model_id": model_id if model_id is not None else str(getattr(config, "_name_or_path", "") or ""),
+        "data": f"not recorded: imported from per-tensor vLLM scales in {path.name}",
+        "statistic": "per-tensor (imported)",
+        "source": "vllm-per-tensor",
+        "source_files": json.dumps([f.name for f in files]),
+        "note": "every channel and head holds the layer's single per-tensor range (scale * 448)",
+        "tool_version": __version__,
+    }
+    scales = KVScales(k_abs, v_abs, meta)
+    scales.validate(config)
+    return scales

