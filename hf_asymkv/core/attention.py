@@ -10,11 +10,15 @@ instead and this module's attention never builds dense K or V for the quantized 
 - values (per-token scale and zero): they are folded into the attention weights,
   ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``.
 
-The codes are still converted to floats for the matmuls (PyTorch has no int8 x float matmul on CPU), so the
-win over the dense path is the skipped scale passes and dense copies, not fewer bytes read; a fused GPU kernel
-would read the codes directly. Cases this path does not fold (softcapping, sliding windows, attention sinks
-``s_aux``, dropout in training, per-token K scales) decode densely and use transformers' SDPA, so results are
-always those of the reference path up to float rounding (tests check both).
+What it materializes, per layer and call: the quantized region's codes converted to float32 (``[B, H, N, D]``
+for K and for V: as large as a float32 copy of that region; PyTorch has no int8 x float matmul on CPU), the
+scaled queries per block (``[B, H, N / block, n_rep * q, D]``) and the scores (``[B, H, n_rep * q, seq]``, like
+eager attention). So the win over the dense path is the skipped scale passes and model-dtype copies, not fewer
+bytes read; a fused GPU kernel would read the codes directly. Because the last two grow with the query
+length, queries longer than :data:`FUSED_MAX_QUERY_TOKENS` (a long prefill chunk, a second chat turn) take the
+dense path, whose SDPA kernel does not materialize the scores. Cases this path does not fold (softcapping,
+sliding windows, attention sinks ``s_aux``, dropout in training, per-token K scales) decode densely and use
+transformers' SDPA too, so results are always those of the reference path up to float rounding.
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ import torch
 
 from .quant import QuantSpec, decode_codes, dequantize
 
-__all__ = ["ATTN_IMPLEMENTATION", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention",
+           "register"]
 
 ATTN_IMPLEMENTATION = "asymkv_sdpa"
+FUSED_MAX_QUERY_TOKENS = 16
+"""Longest query (tokens per call) the fused path takes; longer ones decode densely and use SDPA. At 16 tokens
+over a 32k history (GQA 3 query heads per KV head, head_dim 64) the scaled queries take ~9 MiB per layer; at
+1,000 tokens they would take ~600 MiB and the scores ~1.2 GiB."""
 
 
 @dataclass
@@ -193,7 +202,8 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     """transformers attention function (``AttentionInterface``) for ``attn_implementation="asymkv_sdpa"``.
 
     Dense K/V (layers that are not quantized, or nothing quantized yet) go to transformers' SDPA unchanged;
-    :class:`QuantizedKV` goes through :func:`fused_attention` when it can be folded, else is decoded densely.
+    :class:`QuantizedKV` goes through :func:`fused_attention` when it can be folded and the query has at most
+    :data:`FUSED_MAX_QUERY_TOKENS` tokens, else is decoded densely.
     Returns ``(attn_output [B, q, Hq, D], None)`` like the SDPA path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -202,7 +212,7 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         d = key.tail.shape[-1]
         unsupported = (kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None
                        or kwargs.get("s_aux") is not None or (dropout > 0 and module.training)
-                       or not _foldable(key, d))
+                       or not _foldable(key, d) or query.shape[2] > FUSED_MAX_QUERY_TOKENS)
         if key.codes.shape[2] and not unsupported:
             scale = scaling if scaling is not None else d**-0.5
             return fused_attention(query, key, value, attention_mask, scale), None

@@ -132,10 +132,44 @@ class AsymKVCache(Cache):
             bad = sorted(set(key_absmax) - set(full))
             if bad:
                 raise ValueError(f"calibrated key ranges given for layers {bad}, which are not full-attention layers.")
-        # Decided once, here: the fused attention takes QuantizedKV, every other attention needs dense K/V.
-        self.fused_attention = ATTN_IMPLEMENTATION in (getattr(config, "_attn_implementation", None),
-                                                       getattr(text_config, "_attn_implementation", None))
+        self._check_key_ranges(key_absmax or {}, layer_configs, text_config)
+        # The configs the model's attention reads its implementation from: looked up at every update, so that
+        # `model.set_attn_implementation(...)` after the cache was built takes effect.
+        self._attn_configs = (config, text_config)
         super().__init__(layers=self._build_layers(text_config, types, key_absmax or {}))
+
+    @property
+    def fused_attention(self) -> bool:
+        """Whether the model currently runs ``attn_implementation="asymkv_sdpa"`` (layers then hand attention
+        their codes as :class:`~hf_asymkv.core.attention.QuantizedKV`; every other attention gets dense K/V)."""
+        return any(getattr(c, "_attn_implementation", None) == ATTN_IMPLEMENTATION for c in self._attn_configs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if isinstance(layer, AsymKVLayer):
+            layer.return_views = self.fused_attention
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def activate_past_recording(self) -> None:
+        """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see
+        :class:`~hf_asymkv.core.layer.AsymKVLayer`). transformers' ``generate`` calls this for assisted decoding."""
+        for layer in self.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+
+    @staticmethod
+    def _check_key_ranges(key_absmax: dict, layer_configs: list, text_config) -> None:
+        """Calibrated ranges must have each layer's ``[kv_heads, head_dim]``: refused here, naming the layer, rather
+        than at the first update deep inside ``generate``."""
+        for i, k in sorted(key_absmax.items()):
+            c = layer_configs[i]
+            heads = getattr(c, "num_key_value_heads", None) or getattr(text_config, "num_key_value_heads", None) \
+                or text_config.num_attention_heads
+            expected = (int(heads), _head_dim(c))
+            if tuple(k.shape) != expected:
+                raise ValueError(f"calibrated key range of layer {i} has shape {tuple(k.shape)}, the model's layer {i} "
+                                 f"needs [kv_heads, head_dim] = {list(expected)} (scales of another model?)")
 
     @property
     def settings(self) -> dict:
@@ -196,7 +230,6 @@ class AsymKVCache(Cache):
                     key_spec, value_spec, block_size=c.key_block_size, residual_length=c.residual_length,
                     sink_tokens=c.sink_tokens, growth_factor=c.growth_factor, max_growth_tokens=c.max_growth_tokens,
                     key_absmax=key_absmax.get(i), overflow_policy=c.overflow_policy,
-                    return_views=self.fused_attention,
                 ))  # fmt: skip
             else:
                 layers.append(fallback[i])
@@ -227,13 +260,15 @@ class AsymKVCache(Cache):
 
     def stats(self) -> dict[str, int]:
         """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,
-        ``key_overflow_channels``, ``key_widened_blocks``, ``key_clipped_values``, ``requantized_tokens``."""
+        ``key_overflow_channels``, ``key_widened_blocks``, ``key_clipped_values``, ``requantized_tokens`` (tokens a
+        rollback returned from a block to the window, quantized again later), ``nonfinite_values`` (NaN/inf
+        elements that reached a quantized block)."""
         total: Counter = Counter()
         for layer in self.layers:
             if isinstance(layer, AsymKVLayer):
                 total.update(layer.stats)
         keys = ("tokens_quantized", "blocks_quantized", "flushes", "key_overflow_channels", "key_widened_blocks",
-                "key_clipped_values", "requantized_tokens")
+                "key_clipped_values", "requantized_tokens", "nonfinite_values")
         return {k: int(total.get(k, 0)) for k in keys} | {k: int(v) for k, v in total.items() if k not in keys}
 
     def __repr__(self) -> str:

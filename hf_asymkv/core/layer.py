@@ -1,4 +1,4 @@
-"""One full-attention layer of the asymmetric KV cache: storage, append, dense read-out.
+"""One full-attention layer of the asymmetric KV cache: storage, append, dense read-out, rollback.
 
 Token order inside a layer::
 
@@ -9,14 +9,23 @@ New tokens enter the window. When the window holds at least ``residual_length + 
 whole block of ``block_size`` tokens that has aged out of the newest ``residual_length`` is quantized *once*
 and appended to the code buffers; a closed block is never re-quantized.
 
-Code buffers grow geometrically (x ``growth_factor``) but by at most ``max_growth_tokens`` at a time: small
-caches get amortized O(1) appends, long ones keep unused capacity to a few percent of real memory. The copy
-on growth costs O(n / max_growth_tokens) per token amortized, far below the O(n) per step that reading the
-cache back costs anyway.
+Rollback (``crop``): while past recording is on (``activate_past_recording()``; transformers' ``generate``
+turns it on for assisted decoding and for returned caches it may roll back), updates quantize nothing and
+each ``crop`` first removes tokens, then quantizes what has aged out. A rollback that removes no more than the
+tokens added since the previous crop (plus the window's surplus over ``residual_length``) is therefore exact:
+the newest ``min(length, residual_length)`` tokens are the ones that came in, and no token is quantized twice.
+A deeper rollback, or one without recording, can only return the tokens of a partly removed block to the
+window as their dequantized values (what attention saw); they are quantized again when they age out, which
+``stats["requantized_tokens"]`` counts.
+
+Buffers grow geometrically (x ``growth_factor``) but by at most ``max_growth_tokens`` at a time, so appending
+n tokens copies the stored data O(n / max_growth_tokens) times; unused capacity stays a few percent of real
+memory for long caches.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -46,7 +55,12 @@ class AsymKVLayer(CacheLayerMixin):
         overflow_policy: ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate,
             counted) or ``"error"`` (raise ``ValueError``).
         return_views: hand attention :class:`~hf_asymkv.core.attention.QuantizedKV` instead of dense K/V once
-            anything is quantized (for ``attn_implementation="asymkv_sdpa"`` only).
+            anything is quantized (for ``attn_implementation="asymkv_sdpa"`` only; `AsymKVCache` sets it at
+            every update from the model's current attention implementation).
+
+    Raises:
+        ValueError: a calibrated ``key_absmax`` with a key spec that is not symmetric per channel (the calibrated
+            range is a symmetric per-channel scale), or an unknown ``overflow_policy``.
     """
 
     is_sliding = False
@@ -68,7 +82,14 @@ class AsymKVLayer(CacheLayerMixin):
         return_views: bool = False,
     ):
         super().__init__()
+        if key_absmax is not None and (key_spec.granularity != "channel" or not key_spec.symmetric):
+            raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
+                             f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
+                             f"symmetric={key_spec.symmetric}.")
+        if overflow_policy not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow_policy must be one of {list(OVERFLOW_POLICIES)}, got {overflow_policy!r}.")
         self.return_views = return_views
+        self.record_past = False
         self.key_spec, self.value_spec = key_spec, value_spec
         self.block_size, self.residual_length, self.sink_tokens = block_size, residual_length, sink_tokens
         self.growth_factor, self.max_growth_tokens = growth_factor, max_growth_tokens
@@ -114,22 +135,20 @@ class AsymKVLayer(CacheLayerMixin):
         n = key_states.shape[-2]
         ks = self.key_store
         # Sinks take the very first tokens; the rest joins the window, and every whole block that has aged out
-        # of the newest residual_length tokens is quantized.
+        # of the newest residual_length tokens is quantized (at the next crop instead, while recording).
         n_sink = min(n, self.sink_tokens - ks.sinks.length) if ks.blocks.length + ks.window.length == 0 else 0
-        n_flush = max(0, (ks.window.length + n - n_sink - self.residual_length) // self.block_size) * self.block_size
+        n_flush = 0 if self.record_past else self._aged_out(ks.window.length + n - n_sink)
         # The calibrated key scale comes first: with overflow_policy="error" it raises, and must leave the layer
         # as it was.
         key_scale = None
         if n_flush and self.key_absmax is not None:
             key_scale = self._key_scale(ks.joined(key_states[:, :, n_sink:])[:, :, :n_flush])
         n_old = ks.blocks.length
-        tails = (ks.push(key_states, n_sink, n_flush, key_scale), self.value_store.push(value_states, n_sink, n_flush))
+        pushed = (ks.push(key_states, n_sink, n_flush, key_scale), self.value_store.push(value_states, n_sink, n_flush))
         self.cumulative_length += n
         if n_flush:
-            self.stats["tokens_quantized"] += n_flush
-            self.stats["blocks_quantized"] += n_flush // self.block_size
-            self.stats["flushes"] += 1
-        return tuple(store.read(n_old, tail, self.return_views) for store, tail in zip(self.stores, tails))
+            self._count_flush(n_flush, sum(nonfinite for _, nonfinite in pushed))
+        return tuple(store.read(n_old, tail, self.return_views) for store, (tail, _) in zip(self.stores, pushed))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + query_length, 0
@@ -161,20 +180,30 @@ class AsymKVLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop tokens from the end. Negative: how many to remove; positive (legacy): the length to keep.
+    def activate_past_recording(self) -> None:
+        """Defer quantization to the next ``crop``, so that a rollback of the tokens added since is exact.
 
-        Removing tokens inside a quantized block turns that block's remaining tokens back into window tokens
-        (their dequantized values: what attention already saw); they are re-quantized when they age out
-        again, which ``stats["requantized_tokens"]`` counts.
+        transformers' ``generate`` calls this (through the cache) before assisted decoding and turns it off
+        (``record_past = False``) when it hands the cache back.
         """
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove ``-tokens_to_remove`` tokens from the end (0 keeps all), then quantize what has aged out.
+
+        Raises:
+            ValueError: a positive argument (transformers' layers refuse the old "keep this length" meaning too).
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove (or 0), got {tokens_to_remove}; "
+                             "the positive 'length to keep' form is not supported.")
         if not self.is_initialized:
             return
-        keep = self.cumulative_length + tokens_to_remove if tokens_to_remove <= 0 else tokens_to_remove
-        keep = max(0, min(keep, self.cumulative_length))
+        keep = max(0, self.cumulative_length + int(tokens_to_remove))
         moved = [store.crop(keep, self.dtype) for store in self.stores]
         self.stats["requantized_tokens"] += moved[0]
         self.cumulative_length = keep
+        self._flush_window()
 
     # ------------------------------------------------------------------ reporting
     def buffers(self) -> dict:
@@ -198,6 +227,34 @@ class AsymKVLayer(CacheLayerMixin):
         return 0
 
     # ------------------------------------------------------------------ internals
+    def _aged_out(self, window_length: int) -> int:
+        """Tokens to quantize for a window of ``window_length``: every whole block older than the newest
+        ``residual_length`` tokens."""
+        return max(0, (window_length - self.residual_length) // self.block_size) * self.block_size
+
+    def _flush_window(self) -> None:
+        """Quantize the aged-out blocks already in the window (after a rollback)."""
+        n_flush = self._aged_out(self.key_store.window.length)
+        if not n_flush:
+            return
+        key_scale = None
+        if self.key_absmax is not None:
+            key_scale = self._key_scale(self.key_store.window.live[:, :, :n_flush])
+        nonfinite = sum(store.flush(n_flush, scale) for store, scale in zip(self.stores, (key_scale, None)))
+        self._count_flush(n_flush, nonfinite)
+
+    def _count_flush(self, n_flush: int, nonfinite: int) -> None:
+        self.stats["tokens_quantized"] += n_flush
+        self.stats["blocks_quantized"] += n_flush // self.block_size
+        self.stats["flushes"] += 1
+        if nonfinite:
+            if not self.stats["nonfinite_values"]:
+                warnings.warn(f"quantized K/V hold {nonfinite} NaN/inf values: they are stored as 0 (NaN) and as the "
+                              "group's extreme value (+-inf), see hf_asymkv.core.quant.quantize; the model produced "
+                              "non-finite keys or values (counted in cache.stats()['nonfinite_values']).",
+                              RuntimeWarning, stacklevel=4)
+            self.stats["nonfinite_values"] += nonfinite
+
     def _key_scale(self, k: torch.Tensor) -> torch.Tensor | None:
         """Per-block K scale from the calibrated range, applying the overflow policy.
 
@@ -226,7 +283,8 @@ class AsymKVLayer(CacheLayerMixin):
             else:
                 self.stats["key_widened_blocks"] += int(over.any(dim=-1).sum())
                 calib = torch.maximum(block_amax, calib)
-        return scale_from_absmax(calib.expand(b, h, t // self.block_size, d), self.key_spec)
+        spec = self.key_store.blocks.fit(k)
+        return scale_from_absmax(calib.expand(b, h, t // self.block_size, d), spec)
 
     def _map_batch(self, fn) -> None:
         for store in self.stores:

@@ -31,6 +31,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "decode_codes",
+    "needs_wider_metadata",
     "pack_bits",
     "unpack_bits",
     "sqnr_db",
@@ -264,10 +265,33 @@ def dequantize(
     head_dim = out.shape[-1]
     tg, cg = spec.groups(head_dim, block_size)
     dest = _grouped(out, tg, cg)
-    dest.mul_(_bcast(scale).to(dtype))
+    dest.mul_(_bcast(_factor(scale, dtype)))
     if zero is not None:
-        dest.add_(_bcast(zero).to(dtype))
+        dest.add_(_bcast(_factor(zero, dtype)))
     return out
+
+
+def _factor(meta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale or zero as the multiplier for an output of ``dtype``.
+
+    Cast to ``dtype`` (fast, same-dtype arithmetic), unless that would make a nonzero value subnormal, as bf16
+    key scales below 6.1e-5 do in float16 (fp8_e5m2 scales of keys with |k| < 3.5, int8 scales of channels
+    with |k| < 7.7e-3): then float32, so that the in-place product is computed in float32 and rounded once.
+    """
+    tiny = torch.finfo(dtype).tiny
+    if tiny > torch.finfo(meta.dtype).tiny and bool(((meta.abs() < tiny) & (meta != 0)).any()):
+        return meta.float()
+    return meta.to(dtype)
+
+
+def needs_wider_metadata(x: torch.Tensor, spec: QuantSpec) -> bool:
+    """Whether ``x``'s finite range overflows ``spec.scale_dtype`` as scale or zero (``|x|`` beyond half its
+    largest finite value, e.g. 32752 for float16 metadata: an asymmetric zero of -1e5 would be clamped to
+    -65504 and every value below it would decode wrong)."""
+    if spec.scale_dtype == torch.float32:
+        return False
+    amax = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).abs().amax()
+    return bool(amax > torch.finfo(spec.scale_dtype).max / 2)
 
 
 def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = torch.float32,

@@ -11,6 +11,7 @@ them is the same code path. :class:`~hf_asymkv.core.layer.AsymKVLayer` decides *
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from .attention import QuantizedKV
-from .quant import QuantSpec, compute_scale_zero, dequantize, quantize
+from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metadata, quantize
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
 
@@ -56,6 +57,17 @@ class GrowableBuffer:
     def truncate(self, length: int) -> None:
         self.length = length
 
+    def drop_front(self, n: int) -> None:
+        """Remove the first ``n`` live rows (the rest moves to the front); capacity far beyond the live rows is
+        released, so a long-lived buffer does not keep the size of one long burst."""
+        if n == 0:
+            return
+        rest = self.data[:, :, n : self.length].clone()
+        self.length = 0
+        if self.data.shape[2] > 2 * rest.shape[2] + 64:
+            self.data = None
+        self.append(rest, 1.0)
+
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.data is not None:
             self.data = fn(self.data)
@@ -89,13 +101,33 @@ class QuantizedBlocks:
     def token_group(self, head_dim: int) -> int:
         return self.spec.groups(head_dim, self.block_size)[0]
 
-    def append(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def fit(self, x: torch.Tensor) -> QuantSpec:
+        """Make the metadata dtype hold ``x``'s range and return the spec to quantize ``x`` with.
+
+        Scales and zeros are stored in ``spec.scale_dtype`` (float16 for values) while the range fits; the
+        first block that would overflow it switches this store's metadata to float32, existing rows included
+        (lossless), so no value is ever decoded from a clamped zero or scale.
+        """
+        if needs_wider_metadata(x, self.spec):
+            self.spec = dataclasses.replace(self.spec, scale_dtype=torch.float32)
+            for buf in (self.scales, self.zeros):
+                buf.map_batch(lambda t: t.float())
+        return self.spec
+
+    def append(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> int:
         """Quantize ``[B, H, m, D]`` (m a multiple of ``block_size``) once and append it.
 
+        Non-finite elements are stored as documented in :func:`~hf_asymkv.core.quant.quantize` (NaN as 0,
+        +-inf as the group's extremes) and counted.
+
         Args:
-            scale: a precomputed (calibrated) symmetric scale ``[B, H, m // tg, D // cg]``; measured from
-                ``x`` when None.
+            scale: a precomputed (calibrated) symmetric scale ``[B, H, m // tg, D // cg]`` made with the spec
+                :meth:`fit` returned for ``x``; measured from ``x`` when None.
+
+        Returns:
+            the number of non-finite elements in ``x``.
         """
+        self.fit(x)
         zero = None
         if scale is None:
             scale, zero = compute_scale_zero(x, self.spec, self.block_size)
@@ -105,6 +137,7 @@ class QuantizedBlocks:
         for buf, meta in ((self.scales, scale), (self.zeros, zero)):
             if meta is not None:  # metadata rows per token: 1 / token_group
                 buf.append(meta, self.growth_factor, 1, max(1, self.max_step * meta.shape[2] // m))
+        return int((~torch.isfinite(x)).sum())
 
     def parts(self, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(codes, scales, zeros)`` of the first ``n`` quantized tokens (views)."""
@@ -141,10 +174,15 @@ class TensorStore:
     """
 
     def __init__(self, kind: str, spec: QuantSpec, block_size: int, growth_factor: float, max_growth_tokens: int):
-        self.kind, self.spec, self.growth_factor = kind, spec, growth_factor
+        self.kind, self.growth_factor = kind, growth_factor
         self.sinks, self.window = GrowableBuffer(), GrowableBuffer()
         self.blocks = QuantizedBlocks(spec, block_size, growth_factor, max_growth_tokens)
         self.head_dim = 0
+
+    @property
+    def spec(self) -> QuantSpec:
+        """The blocks' spec (its metadata dtype may have widened, see :meth:`QuantizedBlocks.fit`)."""
+        return self.blocks.spec
 
     def check_width(self, head_dim: int) -> None:
         """Fail at the first update, with the shapes at hand, rather than deep inside a reshape."""
@@ -156,26 +194,40 @@ class TensorStore:
         """Window + ``new`` tokens; bounded by ``residual_length + block_size + n`` (never the whole cache)."""
         return new if self.window.length == 0 else torch.cat([self.window.live, new], dim=2)
 
-    def push(self, new: torch.Tensor, n_sink: int, n_flush: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    def push(self, new: torch.Tensor, n_sink: int, n_flush: int, scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, int]:
         """Store ``new`` ``[B, H, n, D]``: the first ``n_sink`` tokens become sinks, the rest join the window,
         and the oldest ``n_flush`` window tokens (a multiple of the block size) are quantized.
 
         Returns:
-            the exact tokens after the quantized region as it was before this call (old window + new
-            non-sink tokens, ``[B, H, m, D]``): what attention reads exact in this step, the tokens quantized
-            now included. It may be a view of the window buffer; :meth:`read` never hands it out as is.
+            ``(tail, nonfinite)``: the exact tokens after the quantized region as it was before this call (old
+            window + new non-sink tokens, ``[B, H, m, D]``), what attention reads exact in this step, the tokens
+            quantized now included (it may be a view of the window buffer; :meth:`read` never hands it out as
+            is); and the number of non-finite elements quantized.
         """
         if n_sink:
             self.sinks.append(new[:, :, :n_sink], 1.0)
             new = new[:, :, n_sink:]
         if not n_flush:
             self.window.append(new, self.growth_factor)
-            return self.window.live
+            return self.window.live, 0
         tail = self.joined(new)
-        self.blocks.append(tail[:, :, :n_flush], scale)
+        nonfinite = self.blocks.append(tail[:, :, :n_flush], scale)
         self.window.truncate(0)
         self.window.append(tail[:, :, n_flush:], self.growth_factor)
-        return tail
+        return tail, nonfinite
+
+    def flush(self, n_flush: int, scale: torch.Tensor | None = None) -> int:
+        """Quantize the oldest ``n_flush`` window tokens (a multiple of the block size) into blocks.
+
+        Returns:
+            the number of non-finite elements quantized.
+        """
+        if not n_flush:
+            return 0
+        nonfinite = self.blocks.append(self.window.live[:, :, :n_flush], scale)
+        self.window.drop_front(n_flush)
+        return nonfinite
 
     def read(self, n_old: int, tail: torch.Tensor, as_views: bool) -> torch.Tensor | QuantizedKV:
         """What attention gets: sinks + the first ``n_old`` quantized tokens + ``tail``, ``[B, H, seq, D]``.

@@ -13,7 +13,13 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv import AsymKVCache, register_attention
-from hf_asymkv.core.attention import ATTN_IMPLEMENTATION, QuantizedKV, asymkv_sdpa_attention, fused_attention
+from hf_asymkv.core.attention import (
+    ATTN_IMPLEMENTATION,
+    FUSED_MAX_QUERY_TOKENS,
+    QuantizedKV,
+    asymkv_sdpa_attention,
+    fused_attention,
+)
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
 
@@ -171,3 +177,70 @@ def test_generate_left_padded_batch(llama, padded_batch, single_thread):
     got = fused.generate(ids, attention_mask=mask, past_key_values=AsymKVCache(fused.config, **kwargs),
                          max_new_tokens=8, do_sample=False)
     assert torch.equal(ref, got)
+
+
+# ------------------------------------------------------------------------------------------------ long queries
+@pytest.mark.parametrize("q_len, fused_expected", [(FUSED_MAX_QUERY_TOKENS, True), (FUSED_MAX_QUERY_TOKENS + 1, False)],
+                         ids=["at-threshold", "above-threshold"])
+def test_long_queries_take_the_dense_path(monkeypatch, q_len, fused_expected):
+    """Above the threshold the fused path (whose temporaries grow with the query) is not entered, and the result
+    is exactly the reference path's."""
+    import hf_asymkv.core.attention as attention_mod
+
+    calls = []
+    monkeypatch.setattr(attention_mod, "fused_attention", lambda *a, **k: calls.append(1) or fused_attention(*a, **k))
+    layer, g = _filled_layer(*SPECS[0][1:])
+    key, value = layer.update(*torch.randn(2, 1, 2, q_len, 16, generator=g))
+    q = torch.randn(1, 4, q_len, 16, generator=g)
+    n = key.shape[2]
+    mask = torch.ones(q_len, n, dtype=torch.bool).tril(n - q_len)[None, None]
+    got, _ = asymkv_sdpa_attention(_Module(2), q, key, value, mask, scaling=0.25)
+    assert bool(calls) == fused_expected
+    want = _reference(_Module(2), q, key, value, mask, 0.25)
+    if fused_expected:
+        assert sqnr_db(want, got) > SQNR_FLOOR_DB
+    else:
+        assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------------ per-call mode
+def test_attention_mode_is_read_at_every_update(llama, prompt, single_thread):
+    """Switching the model's attention after the cache was built takes effect at the next step (it used to stay
+    frozen at construction: a dense model then got QuantizedKV and crashed in SDPA, or the reverse)."""
+    model = copy.deepcopy(llama)
+    register_attention()
+    cache = AsymKVCache(model.config, residual_length=8, key_block_size=8)
+    assert not cache.fused_attention
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    assert cache.fused_attention
+    out_fused = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
+    assert all(layer.return_views for layer in cache.layers)
+    model.set_attn_implementation("sdpa")
+    assert not cache.fused_attention
+    more = model.generate(out_fused, cache=cache, max_new_tokens=6, do_sample=False)
+    assert not any(layer.return_views for layer in cache.layers)
+    ref_cache = AsymKVCache(llama.config, residual_length=8, key_block_size=8)
+    ref = llama.generate(llama.generate(prompt, cache=ref_cache, max_new_tokens=6, do_sample=False), cache=ref_cache,
+                         max_new_tokens=6, do_sample=False)
+    assert torch.equal(more, ref)
+
+
+# ------------------------------------------------------------------------------------------------ generate matrix
+FUSED_MODES = ["greedy", "sample", "beam", "padded_batch", "assisted", "continue", "deepcopy", "batch_select"]
+
+
+@pytest.mark.parametrize("mode", FUSED_MODES, ids=FUSED_MODES)
+def test_fused_generate_matrix_matches_dense(llama, llama_assistant, prompt, batch3, padded_batch, mode,
+                                             single_thread):
+    """Every decoding mode gives the same tokens through the fused path as through the dense one, with a small
+    window so that blocks are quantized, read, rolled back and copied."""
+    from test_cache import MODES, SMALL
+
+    ctx = {"prompt": prompt, "batch3": batch3, "padded_batch": padded_batch, "assistant": llama_assistant}
+    fused = _fused_copy(llama)
+    dense = MODES[mode](llama, lambda: AsymKVCache(llama.config, **SMALL), ctx)
+    got = MODES[mode](fused, lambda: AsymKVCache(fused.config, **SMALL), ctx)
+    assert all(c.stats()["tokens_quantized"] > 0 for c in got.caches)
+    assert torch.equal(got.sequences, dense.sequences)
+    for a, b in got.must_match:
+        assert torch.equal(a, b)

@@ -244,8 +244,6 @@ _CROPS = {
     "sinks": (-59, 1, 0),
     "everything": (-60, 0, 0),
     "beyond": (-1000, 0, 0),
-    "legacy_positive": (47, 47, 5),
-    "legacy_positive_beyond": (500, 60, 0),
 }
 
 
@@ -276,6 +274,88 @@ def test_crop_then_regrow_requantizes_uncommitted_tokens():
     feed(layer, k[:, :, 47:70], v[:, :, 47:70], [1] * 23)
     ns, nq, nw = lengths(layer)
     assert ns + nq + nw == 70 and nq % 8 == 0 and 8 <= nw < 16
+
+
+@pytest.mark.parametrize("arg", [1, 47, 500], ids=["one", "inside", "beyond"])
+def test_positive_crop_is_refused(arg):
+    """transformers' layers refuse the old 'length to keep' meaning; ours did not (it silently kept ``arg``)."""
+    layer, *_ = _filled()
+    with pytest.raises(ValueError, match=f"crop takes a negative number of tokens to remove \\(or 0\\), got {arg}"):
+        layer.crop(arg)
+    assert layer.get_seq_length() == 60
+
+
+def _recording(n: int = 60, sink_tokens: int = 2) -> tuple:
+    """A layer fed ``n`` tokens one at a time with past recording on and ``crop(0)`` after each step (what
+    ``generate`` does when it may roll back), plus the tokens it was fed."""
+    layer = make_layer(sink_tokens=sink_tokens)
+    layer.activate_past_recording()
+    k, v = kv(n + 40, seed=7)
+    for i in range(n):
+        layer.update(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        layer.crop(0)
+    return layer, k, v
+
+
+def _newest_exact(layer: AsymKVLayer, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The newest ``min(length, residual_length)`` tokens of the layer are bit-exact copies of what came in."""
+    n = layer.get_seq_length()
+    m = min(n, layer.residual_length)
+    ns, nq, nw = lengths(layer)
+    if nw < m and nq:  # a token the window should hold is in a block
+        return False
+    window_k, window_v = layer.key_store.window.live, layer.value_store.window.live
+    return torch.equal(window_k[:, :, nw - m :], k[:, :, n - m : n]) and torch.equal(window_v[:, :, nw - m :], v[:, :, n - m : n])
+
+
+@pytest.mark.parametrize("draft, rejected", [(3, 3), (12, 12), (12, 5), (20, 20), (1, 0)],
+                         ids=["3of3", "12of12", "5of12", "20of20", "accepted"])
+def test_recorded_rollback_is_exact(draft, rejected):
+    """A draft of ``draft`` tokens pushes blocks past the window; rolling back ``rejected`` of them leaves the
+    newest residual_length tokens exact and quantizes nothing twice (on main before the fix: 2 quantized + 6
+    exact after crop(-3) with an 8-token window)."""
+    layer, k, v = _recording()
+    n = layer.get_seq_length()
+    layer.update(k[:, :, n : n + draft], v[:, :, n : n + draft])
+    layer.crop(-rejected)
+    assert layer.get_seq_length() == n + draft - rejected
+    assert _newest_exact(layer, k, v)
+    assert layer.stats["requantized_tokens"] == 0
+    ns, nq, nw = lengths(layer)
+    assert layer.residual_length <= nw < layer.residual_length + layer.block_size  # what aged out was quantized
+
+
+def test_recorded_rollback_matches_a_cache_that_never_saw_the_draft():
+    """After the rollback, the layer reads back exactly what a layer fed only the accepted tokens reads back."""
+    layer, k, v = _recording()
+    n = layer.get_seq_length()
+    layer.update(k[:, :, n : n + 12], v[:, :, n : n + 12])
+    layer.crop(-9)
+    plain = make_layer(sink_tokens=2)
+    feed(plain, k[:, :, : n + 3], v[:, :, : n + 3], [1] * (n + 3))
+    empty = k[:, :, :0], v[:, :, :0]
+    for got, want in zip(layer.update(*empty), plain.update(*empty)):
+        assert torch.equal(got, want)
+
+
+def test_recording_off_again_quantizes_at_the_next_update():
+    """generate sets ``record_past = False`` when it hands the cache back; the next update flushes as usual."""
+    layer, k, v = _recording()
+    n = layer.get_seq_length()
+    layer.update(k[:, :, n : n + 20], v[:, :, n : n + 20])  # nothing quantized while recording
+    assert lengths(layer)[2] >= 20 + layer.residual_length
+    layer.record_past = False
+    layer.update(k[:, :, n + 20 : n + 21], v[:, :, n + 20 : n + 21])
+    ns, nq, nw = lengths(layer)
+    assert layer.residual_length <= nw < layer.residual_length + layer.block_size
+
+
+def test_unrecorded_rollback_into_a_block_is_counted():
+    """Without recording the flushed tokens are gone: a rollback into a block returns them dequantized, counted."""
+    layer, k, v, _ = _filled()
+    layer.crop(-3 - 8)  # the window (10 tokens) and 1 token of the last block
+    assert layer.stats["requantized_tokens"] == 7
+    assert not _newest_exact(layer, k, v)
 
 
 def test_crop_uninitialized_is_noop():
