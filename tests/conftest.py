@@ -84,6 +84,27 @@ def shared_kv_config() -> Gemma4TextConfig:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """One hypothesis seed per session, drawn here unless ``--hypothesis-seed`` was given: printed in the header
+    and under every failed test, so that a failure found by chance is rerun with ``--hypothesis-seed=N``."""
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(random.SystemRandom().randrange(2**32))
+
+
+def pytest_report_header(config):
+    return f"hypothesis seed: {config.getoption('hypothesis_seed')} (rerun with --hypothesis-seed=N)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when == "call":
+        seed = item.config.getoption("hypothesis_seed")
+        report.sections.append(("hypothesis seed", f"rerun with: python -m pytest {item.nodeid} --hypothesis-seed={seed}"))
+
+
 @pytest.fixture
 def single_thread():
     """Run a test on one intra-op thread. These tensors are tiny: two threads only add synchronization, and on a
