@@ -34,6 +34,13 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", lambda c: AsymKVCache(c, key_format="fp8_e4m3")),
     "asymkv-sinks4": ("ours with 4 exact sink tokens", lambda c: AsymKVCache(c, sink_tokens=4)),
+    # the sinks ablation (README, Evidence): at 4096 tokens 4 sinks shift the block boundaries so the window holds
+    # 252 tokens; these two separate the sinks (same 128 exact tokens as the default) from the larger window.
+    "asymkv-sinks4-w124": (
+        "ours with 4 exact sink tokens and a 124-token window (the default's bytes at 4k)",
+        lambda c: AsymKVCache(c, sink_tokens=4, residual_length=124),
+    ),
+    "asymkv-w256": ("ours with a 256-token exact window (4 sinks' bytes at 4k)", lambda c: AsymKVCache(c, residual_length=256)),
     "asymkv-w32": ("ours with a 32-token exact window", lambda c: AsymKVCache(c, residual_length=32)),
     "asymkv-w512": ("ours with a 512-token exact window", lambda c: AsymKVCache(c, residual_length=512)),
     "k4v4-sym": (
