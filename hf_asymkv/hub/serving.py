@@ -81,8 +81,8 @@ def _scale_names(names) -> list[str]:
     return sorted(n for n in names if n.endswith(("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output_scale")))
 
 
-def _check_model(model_dir: Path, config, scales: KVScales, config_dict: dict, shards: dict[str, list[str]]) -> None:
-    """Refuse a checkpoint the scales do not belong to, or one we cannot add a KV scheme to (``ValueError``)."""
+def _check_scales(model_dir: Path, config, scales: KVScales) -> None:
+    """Refuse scales calibrated for another model, or missing some of its attention layers (``ValueError``)."""
     expected, saved = config_fingerprint(config), scales.fingerprint
     for key in ("model_type", "num_hidden_layers", "num_key_value_heads", "head_dim"):
         if key in saved and saved[key] != expected[key]:
@@ -94,6 +94,10 @@ def _check_model(model_dir: Path, config, scales: KVScales, config_dict: dict, s
     if missing:
         raise ValueError(f"the scales have no ranges for layers {missing} of {model_dir}; vLLM would run those "
                          "layers with a scale of 1.0, so calibrate every attention layer")
+
+
+def _check_checkpoint(model_dir: Path, config_dict: dict, shards: dict[str, list[str]]) -> None:
+    """Refuse a checkpoint that already holds KV scales or uses another quantization method (``ValueError``)."""
     present = _scale_names(n for names in shards.values() for n in names)
     if present:
         raise ValueError(f"{model_dir} already holds KV scales ({present[0]}, ... {len(present)} tensors); import them "
@@ -181,8 +185,9 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
     scales_source = "a KVScales object" if isinstance(scales, KVScales) else str(Path(scales).expanduser().resolve())
     if not isinstance(scales, KVScales):
         scales = KVScales.load(scales)  # the model check below names the fingerprint key that differs
+    _check_scales(model_dir, config, scales)
     shards = _weight_files(model_dir)
-    _check_model(model_dir, config, scales, config_dict, shards)
+    _check_checkpoint(model_dir, config_dict, shards)
     qc = merged_quantization_config(config_dict.get("quantization_config"), strategy)
     validate_quantization_config(qc)
     heads = config_fingerprint(config)["num_key_value_heads"]
