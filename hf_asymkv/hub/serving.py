@@ -205,6 +205,7 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
                 continue
             how[renamed.get(src.name, src.name)] = _link_or_copy(src, tmp / renamed.get(src.name, src.name))
         save_file(tensors, str(tmp / SCALES_SHARD), metadata={"format": "pt", "producer": "hf_asymkv"})
+        os.chmod(tmp / SCALES_SHARD, 0o644)  # readable like the linked weights (the writer may create it 0600)
         weight_map = {n: renamed[s] for s, names in shards.items() for n in names}
         weight_map.update({n: SCALES_SHARD for n in tensors})
         total = sum(_tensor_bytes(_header(tmp / renamed[s])) for s in shards) + _tensor_bytes(_header(tmp / SCALES_SHARD))
