@@ -148,6 +148,25 @@ def _shard_names(shards: dict[str, list[str]]) -> dict[str, str]:
     return {s: s for s in shards}
 
 
+def _write_weights(tmp: Path, model_dir: Path, shards: dict[str, list[str]], tensors: dict[str, torch.Tensor]) -> dict:
+    """Link the source's files into ``tmp``, add the scales shard and the index; return ``{file: "linked"/"copied"}``."""
+    from safetensors.torch import save_file
+
+    renamed, how = _shard_names(shards), {}
+    for src in sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
+        if src.name not in _REWRITTEN:
+            name = renamed.get(src.name, src.name)
+            how[name] = _link_or_copy(src, tmp / name)
+    save_file(tensors, str(tmp / SCALES_SHARD), metadata={"format": "pt", "producer": "hf_asymkv"})
+    os.chmod(tmp / SCALES_SHARD, 0o644)  # readable like the linked weights (the writer may create it 0600)
+    weight_map = {n: renamed[s] for s, names in shards.items() for n in names}
+    weight_map.update({n: SCALES_SHARD for n in tensors})
+    total = sum(_tensor_bytes(_header(tmp / name)) for name in [*(renamed[s] for s in shards), SCALES_SHARD])
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return how
+
+
 def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Path, out_dir: str | Path, *,
                               strategy: str = "tensor", tp_size: int = 1, overwrite: bool = False) -> Path:
     """Write ``out_dir``: the checkpoint in ``model_dir`` plus our KV scales, loadable by vLLM, SGLang, transformers.
@@ -194,23 +213,9 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
     tensors = kv_scale_tensors(scales, strategy)
     sglang = sglang_scales(scales, config_dict.get("model_type"), config.get_text_config(decoder=True).num_hidden_layers,
                            tp_size)
-    renamed = _shard_names(shards)
 
     def build(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
-        how = {}
-        for src in sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".")):
-            if src.name in _REWRITTEN:
-                continue
-            how[renamed.get(src.name, src.name)] = _link_or_copy(src, tmp / renamed.get(src.name, src.name))
-        save_file(tensors, str(tmp / SCALES_SHARD), metadata={"format": "pt", "producer": "hf_asymkv"})
-        os.chmod(tmp / SCALES_SHARD, 0o644)  # readable like the linked weights (the writer may create it 0600)
-        weight_map = {n: renamed[s] for s, names in shards.items() for n in names}
-        weight_map.update({n: SCALES_SHARD for n in tensors})
-        total = sum(_tensor_bytes(_header(tmp / renamed[s])) for s in shards) + _tensor_bytes(_header(tmp / SCALES_SHARD))
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        how = _write_weights(tmp, model_dir, shards, tensors)
         (tmp / "config.json").write_text(json.dumps({**config_dict, "quantization_config": qc}, indent=2) + "\n",
                                          encoding="utf-8")
         (tmp / SGLANG_FILE).write_text(json.dumps(sglang, indent=2) + "\n", encoding="utf-8")

@@ -160,6 +160,20 @@ def _match(name: str):
     return None
 
 
+def _scale_values(t: torch.Tensor, heads: int, where: str) -> torch.Tensor:
+    """A checkpoint scale as ``[1]`` (per tensor) or ``[kv_heads]`` (per head), float32; ``ValueError`` otherwise."""
+    per_tensor = t.numel() == 1 and t.dim() <= 1
+    per_head = t.numel() == heads and list(t.shape) in ([heads], [heads, 1, 1])
+    if not (per_tensor or per_head):
+        raise ValueError(f"{where}: expected a per-tensor scale (shape [] or [1]) or one per KV head ([{heads}] or "
+                         f"[{heads}, 1, 1]), got shape {list(t.shape)}")
+    value = t.detach().float().reshape(-1)
+    bad = value[~(torch.isfinite(value) & (value > 0))]
+    if bad.numel():
+        raise ValueError(f"{where} must be finite and > 0, got {float(bad[0])!r}")
+    return value
+
+
 def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None = None) -> KVScales:
     """Read K/V scales from a vLLM / llm-compressor style checkpoint into :class:`KVScales`.
 
@@ -203,17 +217,7 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
         for name, (prefix, layer, kind) in names:
             where = f"{f.name}: {name}"
             prefixes.setdefault(prefix, where)
-            t = tensors[name]
-            per_tensor = t.numel() == 1 and t.dim() <= 1
-            per_head = t.numel() == heads and list(t.shape) in ([heads], [heads, 1, 1])
-            if not (per_tensor or per_head):
-                raise ValueError(f"{where} (layer {layer}): expected a per-tensor scale (shape [] or [1]) or one "
-                                 f"per KV head ([{heads}] or [{heads}, 1, 1]), got shape {list(t.shape)}")
-            value = t.detach().float().reshape(-1)  # [1] or [kv_heads]
-            bad = value[~(torch.isfinite(value) & (value > 0))]
-            if bad.numel():
-                raise ValueError(f"{where} (layer {layer}): {kind}_scale must be finite and > 0, got "
-                                 f"{float(bad[0])!r}")
+            value = _scale_values(tensors[name], heads, f"{where} (layer {layer}): {kind}_scale")
             previous = found.get((layer, kind))
             if previous is not None and not (previous[0].numel() == value.numel()
                                              and torch.allclose(previous[0], value, rtol=1e-6, atol=0)):

@@ -176,7 +176,7 @@ GOOD = {"0.self_attn.k_scale": 0.02, "0.self_attn.v_scale": 0.01, "1.self_attn.k
     ("negative", r"\(layer 1\): v_scale must be finite and > 0, got -0.5"),
     ("nan", r"\(layer 0\): k_scale must be finite and > 0, got nan"),
     ("inf", r"\(layer 1\): k_scale must be finite and > 0, got inf"),
-    ("per-head", r"\(layer 0\): expected a per-tensor scale \(shape \[\] or \[1\]\) or one per KV head "
+    ("per-head", r"\(layer 0\): k_scale: expected a per-tensor scale \(shape \[\] or \[1\]\) or one per KV head "
                  r"\(\[2\] or \[2, 1, 1\]\), got shape \[3\]"),
     ("beyond", r"scales for layers \[5\], but the model has 2 layers"),
     ("conflict", "layer 1: conflicting k_scale values"),
