@@ -1,9 +1,10 @@
-"""vLLM interchange: export our ranges as vLLM's per-tensor FP8 KV scales, and import such scales back.
+"""vLLM interchange: our ranges as vLLM's FP8 KV scale tensors and ``kv_cache_scheme``, and such scales read back.
 
-vLLM (and llm-compressor / compressed-tensors checkpoints) keep one FP8-E4M3 dequant multiplier per layer for
-K and one for V: ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` = ``amax / 448``. Our per-channel key
-ranges and per-head value ranges collapse to their maximum on export; on import every channel and head gets
-the layer's single range (so per-channel key precision cannot be recovered from a per-tensor checkpoint).
+vLLM (and llm-compressor / compressed-tensors checkpoints) keep FP8-E4M3 dequant multipliers ``amax / 448`` as
+``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``: one per layer (``strategy: tensor``) or one per KV head
+(``strategy: attn_head``). Our per-channel key ranges collapse to their maximum over what one scale covers; on
+import each scale's range fills every channel it covers (per-channel key precision cannot be recovered).
+:mod:`.serving` assembles a complete checkpoint from these pieces.
 """
 
 from __future__ import annotations
