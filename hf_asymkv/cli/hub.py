@@ -33,6 +33,31 @@ def _cmd_publish(args) -> int:
     return 0
 
 
+def _checkpoint_folder(model: str):
+    """A local safetensors folder for ``--model``: the default model's cached folder, a folder, or a Hub snapshot."""
+    from pathlib import Path
+
+    from ..models import DEFAULT_MODEL, default_model_path
+
+    if model == DEFAULT_MODEL:
+        return default_model_path()
+    if model.lower().endswith(".gguf"):
+        raise ValueError(f"--model {model!r}: a GGUF file cannot carry the scales; give a safetensors checkpoint folder "
+                         f"(for the default model: --model {DEFAULT_MODEL})")
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        return folder
+    if folder.exists() or model.startswith((".", "/", "~")):
+        raise ValueError(f"--model {model!r} is not a checkpoint folder")
+    from huggingface_hub import snapshot_download
+
+    try:  # a Hub id: only what a serving checkpoint needs (no .bin / .pt duplicates)
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja",
+                                                             "tokenizer*"]))
+    except Exception as exc:  # offline, no such repo, gated
+        raise ValueError(f"--model {model!r}: not a local folder and not downloadable from the Hub: {exc}") from None
+
+
 def _cmd_export_vllm(args) -> int:
     from pathlib import Path
 
@@ -41,6 +66,8 @@ def _cmd_export_vllm(args) -> int:
     from ..hub.vllm import export_vllm, read_vllm_scales
 
     if args.from_checkpoint is not None:  # vLLM / llm-compressor checkpoint -> our scales file
+        if args.strategy is not None or args.tp_size != 1:
+            raise ValueError("--strategy and --tp-size shape an export; --from-checkpoint reads the scales as they are")
         ckpt = Path(args.from_checkpoint).expanduser()
         if not ckpt.exists():
             raise ValueError(f"--from-checkpoint: {args.from_checkpoint!r} does not exist")
@@ -56,17 +83,29 @@ def _cmd_export_vllm(args) -> int:
             raise ValueError(f"--out {args.out!r} exists; pass --overwrite to replace it")
         scales = read_vllm_scales(ckpt, load_config(model), model_id=model)
         scales.save(out)
-        print(f"wrote {out} ({len(scales.k_channel_absmax)} layers; per-tensor ranges imported from {ckpt})")
+        print(f"wrote {out} ({len(scales.k_channel_absmax)} layers; {scales.metadata['statistic']} ranges imported "
+              f"from {ckpt})")
         return 0
     scales_path = Path(args.scales).expanduser()
     if not scales_path.is_file():
         raise ValueError(f"--scales: file {args.scales!r} does not exist")
-    config = load_config(args.model) if args.model is not None else None
-    scales = KVScales.load(scales_path, config)
+    if args.model is not None:  # a complete serving checkpoint
+        from ..hub.serving import export_serving_checkpoint
+
+        out = export_serving_checkpoint(_checkpoint_folder(args.model), scales_path, args.out,
+                                        strategy=args.strategy or "tensor", tp_size=args.tp_size,
+                                        overwrite=args.overwrite)
+        print(f"wrote {out}: the checkpoint with {args.strategy or 'tensor'} FP8 KV scales; serve with:\n"
+              f"  vllm serve {out} --kv-cache-dtype fp8\n"
+              f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype fp8_e4m3")
+        return 0
+    if args.strategy not in (None, "tensor") or args.tp_size != 1:
+        raise ValueError("--strategy attn_head and --tp-size need --model (they shape a complete checkpoint; the "
+                         "scales-only export is per-tensor)")
+    scales = KVScales.load(scales_path)
     out = export_vllm(scales, args.out, overwrite=args.overwrite)
     print(f"wrote {out} (kv_scales.safetensors with {2 * len(scales.k_channel_absmax)} per-tensor scales, "
-          "kv_cache_scheme.json, README.md); serve with: vllm serve CHECKPOINT --kv-cache-dtype fp8_e4m3 "
-          "after merging them (see README.md)")
+          "kv_cache_scheme.json, README.md); for a checkpoint vLLM loads as is, pass --model CHECKPOINT")
     return 0
 
 
@@ -104,18 +143,26 @@ def add_parsers(sub) -> None:
                    help="what a key beyond its calibrated range does (default widen)")
     p.set_defaults(func=_cmd_publish)
 
-    p = sub.add_parser("export-vllm", help="export scales as vLLM per-tensor FP8 KV scales, or import them back",
-                       description="--scales F --out DIR: write DIR/ with vLLM's per-tensor k_scale/v_scale tensors, "
-                                   "the kv_cache_scheme snippet for config.json and a how-to. "
-                                   "--from-checkpoint CKPT --model M --out F.safetensors: read the per-tensor scales "
-                                   "of a vLLM / llm-compressor checkpoint into an hf-asymkv scales file.")
+    p = sub.add_parser("export-vllm", help="write a checkpoint with FP8 KV scales for vLLM/SGLang, or import them back",
+                       description="--scales F --model CKPT --out DIR: write DIR/, a complete checkpoint (CKPT's weights "
+                                   "linked unchanged, k_scale/v_scale tensors in their own shard, config.json with a "
+                                   "compressed-tensors kv_cache_scheme, SGLang's kv_cache_scales.json, a README). "
+                                   "Then: vllm serve DIR --kv-cache-dtype fp8. "
+                                   "--scales F --out DIR without --model: only the per-tensor scale tensors and the "
+                                   "config snippet. --from-checkpoint CKPT --out F.safetensors: read the KV scales of "
+                                   "a vLLM / llm-compressor checkpoint into an hf-asymkv scales file.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--scales", default=None, help="our kv_scales.safetensors file to export")
     src.add_argument("--from-checkpoint", default=None, metavar="CKPT",
-                     help="checkpoint folder (or .safetensors file) holding per-tensor k_scale/v_scale to import")
+                     help="checkpoint folder (or .safetensors file) holding k_scale/v_scale (per tensor or per head) "
+                          "to import")
     p.add_argument("--model", default=None,
-                   help="model config to validate against; needed with --from-checkpoint unless CKPT has a "
-                        "config.json (HF id, local folder or .gguf)")
+                   help="with --scales: the checkpoint to add the scales to (safetensors folder, Hub id, or "
+                        f"{DEFAULT_MODEL}); with --from-checkpoint: its config, needed unless CKPT has a config.json")
     p.add_argument("--out", required=True, help="export folder, or with --from-checkpoint the scales file to write")
+    p.add_argument("--strategy", default=None, choices=["tensor", "attn_head"],
+                   help="with --model: one FP8 scale per layer (tensor, default) or per KV head (attn_head)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="with --model: tensor-parallel ranks listed in SGLang's kv_cache_scales.json (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export folder / existing file")
     p.set_defaults(func=_cmd_export_vllm)

@@ -1,15 +1,15 @@
-"""vLLM interchange: export our ranges as vLLM's per-tensor FP8 KV scales, and import such scales back.
+"""vLLM interchange: our ranges as vLLM's FP8 KV scale tensors and ``kv_cache_scheme``, and such scales read back.
 
-vLLM (and llm-compressor / compressed-tensors checkpoints) keep one FP8-E4M3 dequant multiplier per layer for
-K and one for V: ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale`` = ``amax / 448``. Our per-channel key
-ranges and per-head value ranges collapse to their maximum on export; on import every channel and head gets
-the layer's single range (so per-channel key precision cannot be recovered from a per-tensor checkpoint).
+vLLM (and llm-compressor / compressed-tensors checkpoints) keep FP8-E4M3 dequant multipliers ``amax / 448`` as
+``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``: one per layer (``strategy: tensor``) or one per KV head
+(``strategy: attn_head``). Our per-channel key ranges collapse to their maximum over what one scale covers; on
+import each scale's range fills every channel it covers (per-channel key precision cannot be recovered).
+:mod:`.serving` assembles a complete checkpoint from these pieces.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
@@ -20,12 +20,23 @@ from safetensors.torch import save_file
 from ..core.cache import kv_layer_indices
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
 
-__all__ = ["KV_CACHE_SCHEME", "VLLM_SCALES_FILE", "export_vllm", "read_vllm_scales", "vllm_scale_names"]
+__all__ = ["KV_CACHE_SCHEME", "STRATEGIES", "VLLM_SCALES_FILE", "export_vllm", "kv_cache_scheme", "kv_scale_tensors",
+           "read_vllm_scales", "vllm_scale_names"]
 
 VLLM_SCALES_FILE = "kv_scales.safetensors"
 SCHEME_FILE = "kv_cache_scheme.json"
-KV_CACHE_SCHEME = {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                       "symmetric": True}}
+STRATEGIES = ("tensor", "attn_head")
+"""compressed-tensors KV strategies vLLM loads: one scale per layer, or one per KV head."""
+
+
+def kv_cache_scheme(strategy: str = "tensor") -> dict:
+    """compressed-tensors ``kv_cache_scheme`` (``QuantizationArgs``) for static symmetric FP8-E4M3 KV scales."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    return {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
+
+
+KV_CACHE_SCHEME = {"kv_cache_scheme": kv_cache_scheme("tensor")}
 """compressed-tensors snippet to merge into ``config.json``'s ``quantization_config``."""
 
 # Names vLLM's loader accepts for per-tensor KV scales (it remaps them to `...self_attn.attn.k_scale`):
@@ -45,6 +56,27 @@ _NAME_PATTERNS = (
 def vllm_scale_names(layer: int) -> tuple[str, str]:
     """vLLM's per-tensor K and V scale names for ``layer``."""
     return f"model.layers.{layer}.self_attn.k_scale", f"model.layers.{layer}.self_attn.v_scale"
+
+
+def kv_scale_tensors(scales: KVScales, strategy: str = "tensor") -> dict[str, torch.Tensor]:
+    """Per-layer ``k_scale`` / ``v_scale`` checkpoint tensors (float32, FP8-E4M3 dequant multipliers ``range / 448``).
+
+    Args:
+        strategy: ``"tensor"``: shape ``[1]``, the layer's largest range (what llm-compressor writes and
+            compressed-tensors allocates). ``"attn_head"``: shape ``[kv_heads, 1, 1]``, each KV head's largest
+            key channel / its value range (compressed-tensors' parameter shape; vLLM flattens it to ``[kv_heads]``).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    out = {}
+    for i in sorted(scales.k_channel_absmax):
+        k_range = scales.k_channel_absmax[i].float().amax(dim=1)  # [kv_heads]
+        v_range = scales.v_head_absmax[i].float()  # [kv_heads]
+        k_name, v_name = vllm_scale_names(i)
+        for name, ranges in ((k_name, k_range), (v_name, v_range)):
+            per = ranges.reshape(-1, 1, 1) if strategy == "attn_head" else ranges.max().reshape(1)
+            out[name] = (per / FP8_E4M3_MAX).contiguous()
+    return out
 
 
 def _readme(scales: KVScales) -> str:
@@ -129,11 +161,26 @@ def _match(name: str):
     return None
 
 
-def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None = None) -> KVScales:
-    """Read per-tensor K/V scales from a vLLM / llm-compressor style checkpoint into :class:`KVScales`.
+def _scale_values(t: torch.Tensor, heads: int, where: str) -> torch.Tensor:
+    """A checkpoint scale as ``[1]`` (per tensor) or ``[kv_heads]`` (per head), float32; ``ValueError`` otherwise."""
+    per_tensor = t.numel() == 1 and t.dim() <= 1
+    per_head = t.numel() == heads and list(t.shape) in ([heads], [heads, 1, 1])
+    if not (per_tensor or per_head):
+        raise ValueError(f"{where}: expected a per-tensor scale (shape [] or [1]) or one per KV head ([{heads}] or "
+                         f"[{heads}, 1, 1]), got shape {list(t.shape)}")
+    value = t.detach().float().reshape(-1)
+    bad = value[~(torch.isfinite(value) & (value > 0))]
+    if bad.numel():
+        raise ValueError(f"{where} must be finite and > 0, got {float(bad[0])!r}")
+    return value
 
-    Scans every ``*.safetensors`` file of a folder (sharded checkpoints included), or one file. Each layer's
-    single range (``scale * 448``) fills all of its channels and heads.
+
+def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None = None) -> KVScales:
+    """Read K/V scales from a vLLM / llm-compressor style checkpoint into :class:`KVScales`.
+
+    Scans every ``*.safetensors`` file of a folder (sharded checkpoints included), or one file. A per-tensor
+    scale (shape ``[]``/``[1]``) fills all channels and heads of its layer with ``scale * 448``; a per-head scale
+    (``strategy: attn_head``, shape ``[kv_heads]`` or ``[kv_heads, 1, 1]``) fills each head's channels.
 
     Args:
         config: the model config (layer count, KV heads, head_dim; fingerprint of the result).
@@ -142,7 +189,8 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     Raises:
         FileNotFoundError: no such file or folder.
         ValueError: naming the file / tensor / layer: no safetensors files, unreadable file, no scales found,
-            layers without a K or V scale, non-scalar, non-finite or non-positive scales, conflicting duplicates.
+            layers without a K or V scale, shapes other than per-tensor / per-head, non-finite or non-positive
+            scales, conflicting duplicates.
     """
     from ..version import __version__
 
@@ -156,7 +204,9 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     else:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
 
-    found: dict[tuple[int, str], tuple[float, str]] = {}  # (layer, "k"/"v") -> (scale, "file: tensor")
+    fp = config_fingerprint(config)
+    heads, head_dim, n_layers = fp["num_key_value_heads"], fp["head_dim"], fp["num_hidden_layers"]
+    found: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}  # (layer, "k"/"v") -> (scale(s), "file: tensor")
     prefixes: dict[str, str] = {}
     for f in files:
         try:
@@ -168,17 +218,12 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
         for name, (prefix, layer, kind) in names:
             where = f"{f.name}: {name}"
             prefixes.setdefault(prefix, where)
-            t = tensors[name]
-            if t.numel() != 1 or t.dim() > 1:
-                raise ValueError(f"{where} (layer {layer}): expected a per-tensor scalar scale (shape [] or [1]), "
-                                 f"got shape {list(t.shape)}; per-head or per-channel scales are not supported")
-            value = float(t.float().reshape(()))
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{where} (layer {layer}): {kind}_scale must be finite and > 0, got {value!r}")
+            value = _scale_values(tensors[name], heads, f"{where} (layer {layer}): {kind}_scale")
             previous = found.get((layer, kind))
-            if previous is not None and abs(previous[0] - value) > 1e-6 * max(previous[0], value):
-                raise ValueError(f"layer {layer}: conflicting {kind}_scale values {previous[0]!r} ({previous[1]}) "
-                                 f"and {value!r} ({where})")
+            if previous is not None and not (previous[0].numel() == value.numel()
+                                             and torch.allclose(previous[0], value, rtol=1e-6, atol=0)):
+                raise ValueError(f"layer {layer}: conflicting {kind}_scale values {previous[0].tolist()!r} "
+                                 f"({previous[1]}) and {value.tolist()!r} ({where})")
             found.setdefault((layer, kind), (value, where))
     where_all = str(path)
     if not found:
@@ -189,8 +234,6 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
         raise ValueError(f"{where_all}: KV scales under several module prefixes, ambiguous: "
                          f"{sorted(prefixes.values())}")
 
-    fp = config_fingerprint(config)
-    heads, head_dim, n_layers = fp["num_key_value_heads"], fp["head_dim"], fp["num_hidden_layers"]
     layers = sorted({layer for layer, _ in found})
     beyond = [i for i in layers if i >= n_layers]
     if beyond:
@@ -201,17 +244,18 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     if missing:
         raise ValueError(f"{where_all}: incomplete KV scales ({len(missing)} missing): " + "; ".join(missing[:8])
                          + (" ..." if len(missing) > 8 else ""))
-    k_abs = {i: torch.full((heads, head_dim), found[(i, "k")][0] * FP8_E4M3_MAX, dtype=torch.float32)
-             for i in layers}
-    v_abs = {i: torch.full((heads,), found[(i, "v")][0] * FP8_E4M3_MAX, dtype=torch.float32) for i in layers}
+    k_abs = {i: (found[(i, "k")][0] * FP8_E4M3_MAX).reshape(-1, 1).expand(heads, head_dim).clone() for i in layers}
+    v_abs = {i: (found[(i, "v")][0] * FP8_E4M3_MAX).expand(heads).clone() for i in layers}
+    per_head = any(value.numel() > 1 for value, _ in found.values())
+    kind_of = "per-head" if per_head else "per-tensor"
     meta = {
         "fingerprint": json.dumps(fp),
         "model_id": model_id if model_id is not None else str(getattr(config, "_name_or_path", "") or ""),
-        "data": f"not recorded: imported from per-tensor vLLM scales in {path.name}",
-        "statistic": "per-tensor (imported)",
-        "source": "vllm-per-tensor",
+        "data": f"not recorded: imported from {kind_of} vLLM scales in {path.name}",
+        "statistic": f"{kind_of} (imported)",
+        "source": f"vllm-{kind_of}",
         "source_files": json.dumps([f.name for f in files]),
-        "note": "every channel and head holds the layer's single per-tensor range (scale * 448)",
+        "note": "every channel holds its head's imported range (scale * 448); per-tensor scales fill every head",
         "tool_version": __version__,
     }
     scales = KVScales(k_abs, v_abs, meta)

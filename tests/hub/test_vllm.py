@@ -176,7 +176,8 @@ GOOD = {"0.self_attn.k_scale": 0.02, "0.self_attn.v_scale": 0.01, "1.self_attn.k
     ("negative", r"\(layer 1\): v_scale must be finite and > 0, got -0.5"),
     ("nan", r"\(layer 0\): k_scale must be finite and > 0, got nan"),
     ("inf", r"\(layer 1\): k_scale must be finite and > 0, got inf"),
-    ("per-head", r"\(layer 0\): expected a per-tensor scalar scale \(shape \[\] or \[1\]\), got shape \[2\]"),
+    ("per-head", r"\(layer 0\): k_scale: expected a per-tensor scale \(shape \[\] or \[1\]\) or one per KV head "
+                 r"\(\[2\] or \[2, 1, 1\]\), got shape \[3\]"),
     ("beyond", r"scales for layers \[5\], but the model has 2 layers"),
     ("conflict", "layer 1: conflicting k_scale values"),
     ("corrupt", "model.safetensors: not a readable safetensors file"),
@@ -203,7 +204,7 @@ def test_reader_names_the_problem(tmp_path, case, message):
         elif case == "inf":
             tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(float("inf"))
         elif case == "per-head":
-            tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.02, 0.03])
+            tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.02, 0.03, 0.04])  # 3 != 2 kv heads
         elif case == "beyond":
             tensors |= _full({"5.self_attn.k_scale": 0.02, "5.self_attn.v_scale": 0.01})
         elif case == "conflict":
@@ -231,7 +232,7 @@ def test_duplicate_equal_scales_under_two_names_are_fine(tmp_path):
 # ------------------------------------------------------------------------------------------------ CLI
 def test_cli_export_and_import(tmp_path, model_dir, capsys):
     ours = make_scales().save(tmp_path / "kv_scales.safetensors")
-    assert main(["export-vllm", "--scales", str(ours), "--out", str(tmp_path / "vllm"), "--model", str(model_dir)]) == 0
+    assert main(["export-vllm", "--scales", str(ours), "--out", str(tmp_path / "vllm")]) == 0  # scales only
     assert "kv_cache_scheme.json" in capsys.readouterr().out
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -249,7 +250,7 @@ def test_cli_export_and_import(tmp_path, model_dir, capsys):
 @pytest.mark.parametrize("case, message", [
     ("missing-scales", "--scales: file .* does not exist"),
     ("not-our-file", "not an hf_asymkv scales file"),
-    ("wrong-model", "model has 1 layers"),
+    ("wrong-model", "fingerprint 'num_hidden_layers' is 2 in the scales file but 1 in the model"),
     ("non-empty-out", "exists and is not empty"),
     ("ckpt-missing", "--from-checkpoint: .* does not exist"),
     ("ckpt-no-model", "--from-checkpoint needs --model"),
