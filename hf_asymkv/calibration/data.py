@@ -10,7 +10,9 @@ are parsed only as far as the samples need them, and nothing is converted into `
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,12 +34,26 @@ def _import_datasets(why: str):
     return datasets
 
 
+@contextmanager
+def _raised_not_logged():
+    """`datasets` logs a file's parse error before raising it; we raise it once, naming the file, so the CLI
+    prints one line. Its log level is restored on exit."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _rows(dataset, where: str) -> Iterator[dict]:
     """Rows of a streamed dataset; a parse or decode error becomes a ValueError that names ``where``."""
     rows = iter(dataset)
     while True:
         try:
-            row = next(rows)
+            with _raised_not_logged():
+                row = next(rows)
         except StopIteration:
             return
         except Exception as exc:  # ArrowInvalid, UnicodeDecodeError, DatasetGenerationError, ...
@@ -73,7 +89,8 @@ def _read_file(path: Path, text_column: str) -> Iterator[str]:
         return
     datasets = _import_datasets(f"reading {path}")
     try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+        with _raised_not_logged():
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
     except Exception as exc:
         raise ValueError(f"{path}: cannot be read as {builder}: {type(exc).__name__}: {exc}") from exc
     yield from _texts_of(_rows(dataset, str(path)), text_column, str(path))
