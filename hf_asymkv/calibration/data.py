@@ -1,66 +1,99 @@
-"""Calibration text: local ``.txt``/``.jsonl``/``.parquet`` files (or folders of them) or a `datasets` name,
-tokenized and packed into fixed-length samples."""
+"""Calibration text: local files (or folders of them) or a `datasets` name, tokenized and packed into
+fixed-length samples.
+
+Plain text (``.txt``, ``.md``, files without a suffix) is read directly, one document per file, so calibrating on
+a text file needs nothing beyond the core install. Structured files (``.jsonl``/``.json``/``.parquet``) and Hub
+dataset names are read through the `datasets` library (``pip install "hf-asymkv[calibrate]"``), streamed: rows
+are parsed only as far as the samples need them, and nothing is converted into `datasets`' Arrow cache.
+"""
 
 from __future__ import annotations
 
-import json
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-__all__ = ["load_texts", "pack_samples"]
+__all__ = ["iter_texts", "load_texts", "pack_samples", "stream_texts"]
 
-_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet")
-
-
-def _text_of(record, text_column: str, where: str) -> str:
-    if isinstance(record, str):  # a JSON array of strings
-        return record
-    if not isinstance(record, dict) or text_column not in record:
-        raise ValueError(f"{where}: no {text_column!r} field (use --text-column)")
-    text = record[text_column]
-    if not isinstance(text, str):  # str(None) would calibrate on the word "None"
-        raise ValueError(f"{where}: field {text_column!r} is {type(text).__name__}, not a string")
-    return text
+_TEXT_SUFFIXES = (".txt", ".md")
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> `datasets` packaged builder
+_SUFFIXES = _TEXT_SUFFIXES + tuple(_BUILDERS)
+INSTALL_HINT = 'pip install "hf-asymkv[calibrate]"'
 
 
-def _read_file(path: Path, text_column: str) -> list[str]:
-    if path.suffix not in (".jsonl", ".json", ".parquet"):  # .txt, .md, or a plain file named explicitly
-        return [path.read_text(encoding="utf-8", errors="replace")]
-    if path.suffix in (".jsonl", ".json"):
-        try:
-            content = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        if path.suffix == ".json":  # one JSON document (an array of records or strings, or one record) ...
-            try:
-                doc = json.loads(content)
-            except json.JSONDecodeError:
-                doc = None  # ... or JSON lines under a .json name
-            if isinstance(doc, list):
-                return [_text_of(r, text_column, f"{path}: item {n}") for n, r in enumerate(doc)]
-            if isinstance(doc, dict):
-                return [_text_of(doc, text_column, str(path))]
-        texts = []
-        for n, line in enumerate(content.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object with a {text_column!r} field")
-            texts.append(_text_of(record, text_column, f"{path}:{n}"))
-        return texts
+def _import_datasets(why: str):
     try:
-        import pyarrow.parquet as pq
+        import datasets
     except ImportError:
-        raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow") from None
-    table = pq.read_table(path)
-    if text_column not in table.column_names:
-        raise ValueError(f"{path}: no column {text_column!r}; columns: {table.column_names}")
-    return [str(t) for t in table.column(text_column).to_pylist() if t is not None]
+        raise ValueError(f"{why} needs the `datasets` package: {INSTALL_HINT} (or pip install datasets)") from None
+    datasets.disable_progress_bars()  # our own progress bar reports the calibration
+    return datasets
+
+
+@contextmanager
+def _raised_not_logged():
+    """`datasets` logs a file's parse error before raising it; we raise it once, naming the file, so the CLI
+    prints one line. Its log level is restored on exit."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _rows(dataset, where: str) -> Iterator[dict]:
+    """Rows of a streamed dataset; a parse or decode error becomes a ValueError that names ``where``."""
+    rows = iter(dataset)
+    while True:
+        try:
+            with _raised_not_logged():
+                row = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # ArrowInvalid, UnicodeDecodeError, DatasetGenerationError, ...
+            raise ValueError(f"{where}: cannot be read: {type(exc).__name__}: {exc}") from exc
+        yield row
+
+
+def _texts_of(rows: Iterable[dict], text_column: str, where: str) -> Iterator[str]:
+    """The ``text_column`` string of every row, with errors naming ``where`` and the column.
+
+    Blank and null values are dropped (parquet and Hub text columns are often nullable, and a JSON record
+    without the field reads as null next to records that have it); a column no row has is an error.
+    """
+    for n, row in enumerate(rows, 1):
+        if text_column not in row:
+            raise ValueError(f"{where}: no column {text_column!r}; columns: {list(row)} "
+                             "(choose one with --text-field)")
+        text = row[text_column]
+        if text is not None and not isinstance(text, str):  # str([...]) would calibrate on the repr
+            raise ValueError(f"{where}: record {n}: column {text_column!r} is {type(text).__name__}, not a string")
+        if text and text.strip():
+            yield text
+
+
+def _read_file(path: Path, text_column: str) -> Iterator[str]:
+    builder = _BUILDERS.get(path.suffix)
+    if builder is None:  # .txt, .md, or a plain file named explicitly: one document
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            yield text
+        return
+    if path.stat().st_size == 0:  # `datasets` cannot infer a schema from nothing; an empty file has no text
+        return
+    datasets = _import_datasets(f"reading {path}")
+    try:
+        with _raised_not_logged():
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot be read as {builder}: {type(exc).__name__}: {exc}") from exc
+    yield from _texts_of(_rows(dataset, str(path)), text_column, str(path))
 
 
 def _looks_like_path(data: str) -> bool:
@@ -69,52 +102,82 @@ def _looks_like_path(data: str) -> bool:
             or Path(data).is_absolute())
 
 
-def load_texts(data: str, *, split: str = "train", text_column: str = "text") -> list[str]:
-    """Texts from a local file/folder, or from the Hugging Face `datasets` library when ``data`` is not a path.
+def _local_files(path: Path) -> list[Path]:
+    # A folder contributes its known file types and suffix-less files (read as text, like LICENSE or
+    # /usr/share/common-licenses/*); a file named explicitly is read as text unless its suffix says JSON or parquet.
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+                   and (p.suffix in _SUFFIXES or not p.suffix))
+    if not files:
+        raise ValueError(f"{path}: no {list(_SUFFIXES)} files in this folder")
+    return files
+
+
+def _hub_texts(data: str, split: str, text_column: str) -> Iterator[str]:
+    datasets = _import_datasets(f"{data!r} is not a local path, and loading it as a dataset")
+    try:
+        dataset = datasets.load_dataset(data, split=split, streaming=True)
+    except Exception as exc:  # not found, no network, bad split: one error type for the CLI to report
+        raise ValueError(f"{data!r} is not a local path, and `datasets` could not load it: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    yield from _texts_of(_rows(dataset, f"dataset {data!r}"), text_column, f"dataset {data!r}")
+
+
+def iter_texts(data: str, *, split: str = "train", text_column: str = "text") -> Iterator[str]:
+    """Non-blank texts from a local file/folder, or from a `datasets` name when ``data`` is not a path, read lazily.
+
+    Args:
+        data: a ``.txt``/``.md``/suffix-less text file (one text), a ``.jsonl``/``.json``/``.parquet`` file (one
+            text per row), a folder of those (sorted by path), or a `datasets` name (streamed).
+        split: the split of a `datasets` name (local files have one).
+        text_column: the field of JSON records, parquet rows and dataset rows that holds the text.
 
     Raises:
-        ValueError: unsupported file type, missing column, or an empty result.
+        ValueError (when iterated): no such path, unreadable file, missing column (listing the columns there are),
+            a non-string value, or `datasets` not installed where it is needed.
     """
     path = Path(data).expanduser()
     if path.exists():
-        # A folder contributes its known file types and suffix-less files (read as text, like LICENSE or
-        # /usr/share/common-licenses/*); a file named explicitly is read as text unless its suffix says JSON
-        # lines or parquet.
-        files = [path]
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-                           and (p.suffix in _SUFFIXES or not p.suffix))
-        if not files:
-            raise ValueError(f"{path}: no {list(_SUFFIXES)} files in this folder")
-        texts = [t for f in files for t in _read_file(f, text_column)]
+        for file in _local_files(path):
+            yield from _read_file(file, text_column)
     elif _looks_like_path(data):
         raise ValueError(f"no such file or folder: {data!r}")
     else:
-        try:
-            import datasets
-        except ImportError:
-            raise ValueError(f"{data!r} is not a local path, and loading it as a dataset needs the `datasets` "
-                             "package: pip install datasets") from None
-        try:
-            ds = datasets.load_dataset(data, split=split)
-        except Exception as exc:  # not found, no network, bad split: one error type for the CLI to report
-            raise ValueError(f"{data!r} is not a local path, and `datasets` could not load it: "
-                             f"{type(exc).__name__}: {exc}") from exc
-        if text_column not in ds.column_names:
-            raise ValueError(f"dataset {data!r} has no column {text_column!r}; columns: {ds.column_names}")
-        texts = [str(t) for t in ds[text_column]]
-    texts = [t for t in texts if t.strip()]
-    if not texts:
+        yield from _hub_texts(data, split, text_column)
+
+
+def stream_texts(data: str, *, split: str = "train", text_column: str = "text") -> Iterator[str]:
+    """:func:`iter_texts`, with the first text read now: a missing file, a missing column or a source without text
+    fails here (before the caller loads a model); the rest is read as it is consumed.
+
+    Raises:
+        ValueError: as :func:`iter_texts`, or ``no text found`` when the source has no non-blank text.
+    """
+    texts = iter_texts(data, split=split, text_column=text_column)
+    first = next(texts, None)
+    if first is None:
         raise ValueError(f"no text found in {data!r}")
-    return texts
+    return itertools.chain([first], texts)
 
 
-def pack_samples(texts: list[str], tokenizer, seq_len: int, num_samples: int) -> list[torch.Tensor]:
+def load_texts(data: str, *, split: str = "train", text_column: str = "text") -> list[str]:
+    """Every text of ``data`` as a list (see :func:`iter_texts`; :func:`stream_texts` reads only what is used).
+
+    Raises:
+        ValueError: as :func:`stream_texts`.
+    """
+    return list(stream_texts(data, split=split, text_column=text_column))
+
+
+def pack_samples(texts: Iterable[str], tokenizer, seq_len: int, num_samples: int) -> list[torch.Tensor]:
     """Tokenize, join documents with EOS, and cut ``num_samples`` samples of exactly ``seq_len`` tokens.
 
     Each sample continues where the previous one ended; when the text runs out it wraps around to the start
     (so samples repeat text once ``num_samples * seq_len`` exceeds it), because a long-context calibration
-    needs long samples more than it needs many distinct ones. The CLI summary reports the token count.
+    needs long samples more than it needs many distinct ones. ``texts`` is consumed only until there are
+    ``num_samples * seq_len`` tokens, so a streamed source is read no further. The CLI summary reports the
+    token count.
 
     Returns:
         ``num_samples`` tensors of shape ``[1, seq_len]``.

@@ -57,19 +57,28 @@ def command_line(args) -> str:
 
 
 def load_model_from_args(args):
-    """``(model, tokenizer)`` from ``--model``, ``--dtype``, ``--device`` and ``--device-map``."""
-    from ..models import load_model
+    """``(model, tokenizer)`` from ``--model``, ``--dtype``, ``--device``, ``--device-map`` and ``--offload-folder``.
+
+    Raises:
+        ValueError: a bad ``--device-map`` (see :func:`~hf_asymkv.models.parse_device_map`), or ``"disk"`` entries
+            without ``--offload-folder``.
+    """
+    from ..models import load_model, parse_device_map
 
     return load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device,
-                      device_map=getattr(args, "device_map", None))
+                      device_map=parse_device_map(getattr(args, "device_map", None)),
+                      offload_folder=getattr(args, "offload_folder", None))
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
-    """``--model``, ``--dtype``, ``--device``, ``--device-map``."""
+    """``--model``, ``--dtype``, ``--device``, ``--device-map``, ``--offload-folder``."""
     from ..models import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"HF model id, local folder or .gguf file (default: the embedded {DEFAULT_MODEL})")
     p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"model dtype (default {dtype})")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--device-map", default=None, help="accelerate device_map, e.g. auto (overrides --device)")
+    p.add_argument("--device-map", default=None,
+                   help="accelerate device_map (overrides --device): auto, balanced, sequential, a device, or a JSON "
+                        "object / .json file of module -> device, e.g. '{\"model.layers.0\": 0, \"lm_head\": \"cpu\"}'")
+    p.add_argument("--offload-folder", default=None, help="folder for the weights of 'disk' entries of --device-map")

@@ -14,7 +14,7 @@ def _cmd_calibrate(args) -> int:
     import time
 
     from ..calibration.calibrate import bucket_report, calibrate_model, format_report, percentile_top_k, scales_from_stats
-    from ..calibration.data import load_texts, pack_samples
+    from ..calibration.data import pack_samples, stream_texts
     from ..core.fileio import atomic_write_text
 
     # Every argument is checked before the (slow) model load; an out-of-range --percentile is wrong whatever
@@ -25,7 +25,9 @@ def _cmd_calibrate(args) -> int:
                         ("--num-samples", args.num_samples)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    texts = load_texts(args.data, split=args.split, text_column=args.text_column)  # fail before loading a model
+    # The first text is read now (a missing file or column fails before the model loads); the rest is streamed
+    # only as far as the samples need.
+    texts = stream_texts(args.data, split=args.split, text_column=args.text_column)
     model, tokenizer = load_model_from_args(args)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit and args.seq_len > limit:
@@ -58,9 +60,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="record K/V ranges on long samples into a kv_scales.safetensors file")
     add_model_args(p)
     p.add_argument("--data", required=True,
-                   help="local .txt/.jsonl/.parquet file or folder, or a `datasets` name")
+                   help="local .txt/.md (read as is), .jsonl/.json/.parquet (through `datasets`, streamed) file or "
+                        "folder of them, or a `datasets` name")
     p.add_argument("--split", default="train", help="dataset split (datasets names only; default train)")
-    p.add_argument("--text-column", default="text", help="text field of .jsonl/.parquet/datasets (default text)")
+    p.add_argument("--text-field", "--text-column", dest="text_column", default="text",
+                   help="text field of .jsonl/.json/.parquet rows and datasets (default text)")
     p.add_argument("--seq-len", type=int, default=8192,
                    help="sample length in tokens: use your production context length (default 8192)")
     p.add_argument("--num-samples", type=int, default=4, help="number of packed samples (default 4)")

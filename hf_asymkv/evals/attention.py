@@ -25,6 +25,7 @@ import torch
 from .evaluate import cache_from_prefix, encode_prompt
 from ..bench.schemes import ATTENTION, make_cache
 from .common import check_length, progress
+from ..models import input_device
 from .haystack import split_sentences
 from .needle import make_task
 
@@ -94,7 +95,7 @@ def induction_scores(model, n: int = 128, seed: int = 0, prefix_ids: list[int] |
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(vocab // 10, vocab, (1, n), generator=g)
     prefix = torch.tensor([prefix_ids or []], dtype=torch.long)
-    ids = torch.cat([prefix, seq, seq], dim=1).to(model.device)
+    ids = torch.cat([prefix, seq, seq], dim=1).to(input_device(model))
     start = prefix.shape[1]
     queries = torch.arange(start + n, start + 2 * n)
     scores = []
@@ -141,7 +142,7 @@ def run_attention(model, tokenizer, schemes: list[str], length: int, samples: in
     for i in progress(range(samples), total=samples, desc="attention prompts", enabled=show_progress):
         depth = (i + 0.5) / samples
         task = make_task(tokenizer, "multikey", length, round(depth, 3), seed + i, haystack, sentences)
-        stats = _one_prompt(model, encode_prompt(tokenizer, task).to(model.device), schemes, queries)
+        stats = _one_prompt(model, encode_prompt(tokenizer, task).to(input_device(model)), schemes, queries)
         for name, layers in stats.items():
             acc = sums.setdefault(name, [dict.fromkeys(s, 0.0) for s in layers])
             for a, s in zip(acc, layers):

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from ..core.cache import AsymKVCache
 from ..bench.memory import cache_nbytes
 from .tasks import make_needle_prompt, score_answer
+from ..models import input_device
 
 __all__ = ["DemoRow", "run_demo", "format_demo"]
 
@@ -36,7 +37,7 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
     prompt = make_needle_prompt(tokenizer, context_tokens, depth, seed)
     enc = tokenizer.apply_chat_template(
         prompt.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    ).to(model.device)
+    ).to(input_device(model))
     n_prompt = enc["input_ids"].shape[1]
     rows = []
     for name, cache in (("DynamicCache (full precision)", DynamicCache(config=model.config)),

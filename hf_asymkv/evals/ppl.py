@@ -19,6 +19,7 @@ import torch
 from .evaluate import cache_from_prefix
 from ..bench.schemes import make_cache, scheme_attention
 from .common import check_length, progress
+from ..models import input_device
 
 __all__ = ["PplRow", "run_ppl", "text_windows"]
 
@@ -97,7 +98,7 @@ def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, window
     agree: dict[str, list[torch.Tensor]] = {s: [] for s in schemes}
     for ids in progress(text_windows(tokenizer, text, length, windows), total=windows, desc="ppl windows",
                         enabled=show_progress):
-        ids = ids.to(model.device)
+        ids = ids.to(input_device(model))
         prefilled = make_cache("dynamic", model.config)
         with torch.no_grad():
             model(input_ids=ids[:, :prefix], cache=prefilled, use_cache=True, logits_to_keep=1)

@@ -16,6 +16,7 @@ import torch
 from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
 from ..bench.schemes import make_cache, scheme_attention
 from .common import check_length, progress
+from ..models import input_device
 from .haystack import split_sentences
 from .needle import TASKS, make_task, score_task
 
@@ -70,7 +71,7 @@ def _check_grid(model, lengths: list[int], depths: list[float], tasks: list[str]
 @torch.no_grad()
 def _answer_all(model, tokenizer, task, schemes: list[str], sample: int) -> list[NeedleRow]:
     """One prompt through every scheme (``schemes[0]`` must be ``dynamic``: the reference)."""
-    ids = encode_prompt(tokenizer, task).to(model.device)
+    ids = encode_prompt(tokenizer, task).to(input_device(model))
     prefilled = make_cache("dynamic", model.config)
     model(input_ids=ids[:, :-TAIL], cache=prefilled, use_cache=True, logits_to_keep=1)
     rows, ref = [], None

@@ -103,7 +103,16 @@ BAD = [
     # (id, extra args, data override, message on stderr)
     ("missing-data-file", [], "{tmp}/missing.txt", r"error: no such file or folder: '.*missing\.txt'"),
     ("empty-data-file", [], "{tmp}/empty.txt", r"error: no text found in '.*empty\.txt'"),
-    ("malformed-jsonl", [], "{tmp}/bad.jsonl", r"error: .*bad\.jsonl:2: not a JSON line"),
+    ("malformed-jsonl", [], "{tmp}/bad.jsonl", r"error: .*bad\.jsonl: cannot be read: .*JSON parse error"),
+    ("missing-column", ["--text-field", "body"], "{tmp}/good.jsonl",
+     r"error: .*good\.jsonl: no column 'body'; columns: \['text'\]"),
+    ("device-map-meta", ["--device-map", '{{"model": "meta"}}'], None,
+     r"error: --device-map: module 'model': device 'meta' holds no weights"),
+    ("device-map-not-json", ["--device-map", "{{model: 0}}"], None, r"error: --device-map: not valid JSON"),
+    ("device-map-missing-file", ["--device-map", "{tmp}/map.json"], None,
+     r"error: --device-map .*map\.json: cannot read the device map file"),
+    ("device-map-disk-without-folder", ["--device-map", '{{"model": "cpu", "lm_head": "disk"}}'], None,
+     r"error: the device map puts \['lm_head'\] on 'disk': give a folder for their weights \(--offload-folder\)"),
     ("percentile-150", ["--statistic", "percentile", "--percentile", "150"], None,
      r"error: --percentile must be in \(0, 100\), got 150\.0"),
     ("percentile-150-absmax", ["--percentile", "150"], None, r"error: --percentile must be in \(0, 100\)"),
@@ -120,10 +129,12 @@ BAD = [
 def test_bad_input_exits_2_with_a_message_and_writes_nothing(workdir, tmp_path, capsys, extra, data, message):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"text": "w1 w2"}\n{"text": \n')
+    (tmp_path / "good.jsonl").write_text('{"text": "w1 w2"}\n')
     out_dir = tmp_path / "out"
+    extra = [e.format(tmp=tmp_path) for e in extra]
     assert calibrate(workdir, out_dir / "kv.safetensors", *extra, data=data and data.format(tmp=tmp_path)) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 1
+    assert sum(line.startswith("error:") for line in err.splitlines()) == 1
     assert re.search(message, err), err
     assert "Traceback" not in err
     assert not out_dir.exists()  # nothing written, not even the folder

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_asymkv.calibration.data import load_texts, pack_samples
+from hf_asymkv.calibration.data import load_texts, pack_samples, stream_texts
 
 
 def write(path: Path, content: str | bytes) -> Path:
@@ -55,32 +55,36 @@ def test_jsonl_records_with_empty_text_are_dropped(tmp_path):
 @pytest.mark.parametrize(
     "lines, pattern",
     [
-        (["{\"text\": \"ok\"}", "{\"text\": \"ok\"}", "{\"text\": oops}"], r"d\.jsonl:3: not a JSON line"),
-        (["{\"text\": \"ok\"}", "", "{\"text\": \"unterminated"], r"d\.jsonl:3: not a JSON line"),
-        (["{\"text\": \"ok\"}", "{\"body\": \"x\"}"], r"d\.jsonl:2: no 'text' field \(use --text-column\)"),
-        (["[\"a\", \"b\"]"], r"d\.jsonl:1: expected a JSON object with a 'text' field"),
-        (["\"just a string\""], r"d\.jsonl:1: expected a JSON object"),
-        (["{\"text\": null}"], r"d\.jsonl:1: field 'text' is NoneType, not a string"),
-        (["{\"text\": [\"a\"]}"], r"d\.jsonl:1: field 'text' is list, not a string"),
+        (["{\"text\": \"ok\"}", "{\"text\": \"ok\"}", "{\"text\": oops}"], r"d\.jsonl: cannot be read: .*JSON parse error"),
+        (["{\"text\": \"ok\"}", "", "{\"text\": \"unterminated"], r"d\.jsonl: cannot be read: .*JSON parse error"),
+        (["\"just a string\""], r"d\.jsonl: cannot be read: .*JSON parse error"),
+        (["{\"body\": \"x\"}"], r"d\.jsonl: no column 'text'; columns: \['body'\] \(choose one with --text-field\)"),
+        (["{\"text\": \"a\"}", "{\"text\": [\"a\"]}"], r"d\.jsonl: record 2: column 'text' is list, not a string"),
+        (["{\"text\": 3}"], r"d\.jsonl: record 1: column 'text' is int, not a string"),
     ],
-    ids=["malformed", "truncated-line", "missing-field", "array-line", "string-line", "null-text", "list-text"],
+    ids=["malformed", "truncated-line", "string-line", "missing-column", "list-text", "number-text"],
 )
-def test_jsonl_errors_name_file_and_line(tmp_path, lines, pattern):
+def test_jsonl_errors_name_file_and_column(tmp_path, lines, pattern):
     p = write(tmp_path / "d.jsonl", "\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=pattern) as info:
         load_texts(str(p))
     assert str(p) in str(info.value)
 
 
-def test_jsonl_missing_custom_column_names_it(tmp_path):
-    p = write(tmp_path / "d.jsonl", jsonl({"text": "a"}))
-    with pytest.raises(ValueError, match=r"d\.jsonl:1: no 'body' field"):
+def test_jsonl_records_without_the_field_or_null_are_dropped(tmp_path):
+    p = write(tmp_path / "d.jsonl", jsonl({"text": "a"}, {"body": "x"}, {"text": None}, {"text": "b"}))
+    assert load_texts(str(p)) == ["a", "b"]
+
+
+def test_jsonl_missing_custom_column_lists_the_columns(tmp_path):
+    p = write(tmp_path / "d.jsonl", jsonl({"text": "a", "id": 1}))
+    with pytest.raises(ValueError, match=r"d\.jsonl: no column 'body'; columns: \['text', 'id'\]"):
         load_texts(str(p), text_column="body")
 
 
 def test_jsonl_invalid_utf8_names_the_file(tmp_path):
     p = write(tmp_path / "d.jsonl", b'{"text": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=r"d\.jsonl: not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"d\.jsonl: cannot be read: UnicodeDecodeError"):
         load_texts(str(p))
 
 
@@ -98,10 +102,9 @@ def test_json_file(tmp_path, content, expected):
     assert load_texts(str(write(tmp_path / "d.json", content))) == expected
 
 
-def test_json_array_item_without_field_names_the_item(tmp_path):
+def test_json_array_items_without_the_field_are_dropped(tmp_path):
     p = write(tmp_path / "d.json", json.dumps([{"text": "a"}, {"body": "b"}]))
-    with pytest.raises(ValueError, match=r"d\.json: item 1: no 'text' field"):
-        load_texts(str(p))
+    assert load_texts(str(p)) == ["a"]
 
 
 def test_plain_file_without_suffix_is_read_as_text(tmp_path):
@@ -161,12 +164,75 @@ def test_empty_folder_files_raise(tmp_path):
         load_texts(str(tmp_path))
 
 
-def test_parquet_without_pyarrow_gives_install_hint(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pyarrow", None)
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    p = write(tmp_path / "d.parquet", b"PAR1")
-    with pytest.raises(ValueError, match=r"d\.parquet needs pyarrow: pip install pyarrow"):
+@pytest.mark.parametrize("name", ["d.parquet", "d.jsonl", "d.json"])
+def test_structured_file_without_datasets_gives_install_hint(tmp_path, monkeypatch, name):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails even where `datasets` is installed
+    p = write(tmp_path / name, b"PAR1")
+    with pytest.raises(ValueError, match=rf"reading .*{name.replace('.', '[.]')} needs the `datasets` package: "
+                                         r'pip install "hf-asymkv\[calibrate\]"'):
         load_texts(str(p))
+
+
+def test_plain_text_needs_no_datasets(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    write(tmp_path / "a.txt", "alpha")
+    write(tmp_path / "b.jsonl", "")  # empty: skipped without asking `datasets` for a schema
+    assert load_texts(str(tmp_path)) == ["alpha"]
+
+
+def parquet(path: Path, columns: dict) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_parquet_column_nulls_and_blanks_dropped(tmp_path):
+    p = parquet(tmp_path / "d.parquet", {"text": ["x", None, " ", "y"], "body": ["1", "2", "3", "4"]})
+    assert load_texts(str(p)) == ["x", "y"]
+    assert load_texts(str(p), text_column="body") == ["1", "2", "3", "4"]
+
+
+def test_parquet_missing_column_lists_the_columns(tmp_path):
+    p = parquet(tmp_path / "d.parquet", {"content": ["x"], "id": [1]})
+    with pytest.raises(ValueError, match=r"d\.parquet: no column 'text'; columns: \['content', 'id'\]"):
+        load_texts(str(p))
+
+
+def test_parquet_non_string_column_is_refused(tmp_path):
+    p = parquet(tmp_path / "d.parquet", {"text": [1, 2]})
+    with pytest.raises(ValueError, match=r"d\.parquet: record 1: column 'text' is int, not a string"):
+        load_texts(str(p))
+
+
+def test_truncated_parquet_names_the_file(tmp_path):
+    p = write(tmp_path / "d.parquet", b"PAR1")
+    with pytest.raises(ValueError, match=r"d\.parquet: cannot be read as parquet: ArrowInvalid"):
+        load_texts(str(p))
+
+
+def test_stream_texts_reads_lazily_and_fails_early(tmp_path):
+    write(tmp_path / "a.txt", "alpha")
+    write(tmp_path / "b.jsonl", "{oops}\n")
+    texts = stream_texts(str(tmp_path))  # the first file is read; the broken second one not yet
+    assert next(texts) == "alpha"
+    with pytest.raises(ValueError, match=r"b\.jsonl: cannot be read"):
+        next(texts)
+    with pytest.raises(ValueError, match=r"no column 'body'"):
+        stream_texts(str(write(tmp_path / "c.jsonl", jsonl({"text": "a"}))), text_column="body")
+
+
+def test_pack_samples_stops_reading_a_stream():
+    read = []
+
+    def texts():
+        for word in ("abcd", "efgh", "ijkl"):
+            read.append(word)
+            yield word
+
+    pack_samples(texts(), CharTokenizer(), seq_len=6, num_samples=1)
+    assert read == ["abcd", "efgh"]  # 10 tokens after two texts: the third is never read
 
 
 # ------------------------------------------------------------------------------------------------ missing paths, datasets
@@ -186,45 +252,37 @@ def test_dataset_name_without_datasets_package_gives_install_hint(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails even where `datasets` is installed
     with pytest.raises(ValueError, match=rf"'{name}' is not a local path.*needs the `datasets` package: "
-                                         r"pip install datasets"):
+                                         r'pip install "hf-asymkv\[calibrate\]"'):
         load_texts(name)
-
-
-class _FakeDataset:
-    def __init__(self, columns: dict[str, list]):
-        self.columns = columns
-        self.column_names = list(columns)
-
-    def __getitem__(self, name):
-        return self.columns[name]
 
 
 def _fake_datasets(monkeypatch, load):
     module = types.ModuleType("datasets")
     module.load_dataset = load
+    module.disable_progress_bars = lambda: None
     monkeypatch.setitem(sys.modules, "datasets", module)
 
 
-def test_dataset_name_loads_through_datasets(tmp_path, monkeypatch):
+def test_dataset_name_is_streamed_through_datasets(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     calls = []
 
-    def load(name, split):
-        calls.append((name, split))
-        return _FakeDataset({"text": ["one", "", "two"], "body": ["x", "y", "z"]})
+    def load(name, split, streaming):
+        calls.append((name, split, streaming))
+        return iter([{"text": "one", "body": "x"}, {"text": "", "body": "y"}, {"text": "two", "body": "z"}])
 
     _fake_datasets(monkeypatch, load)
     assert load_texts("org/corpus", split="validation") == ["one", "two"]
     assert load_texts("org/corpus", text_column="body") == ["x", "y", "z"]
-    assert calls == [("org/corpus", "validation"), ("org/corpus", "train")]
-    with pytest.raises(ValueError, match=r"dataset 'org/corpus' has no column 'content'; columns: \['text', 'body'\]"):
+    assert calls == [("org/corpus", "validation", True), ("org/corpus", "train", True)]
+    with pytest.raises(ValueError, match=r"dataset 'org/corpus': no column 'content'; columns: \['text', 'body'\]"):
         load_texts("org/corpus", text_column="content")
 
 
 def test_dataset_loading_failure_becomes_value_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
-    def load(name, split):
+    def load(name, split, streaming):
         raise FileNotFoundError(f"Dataset '{name}' doesn't exist on the Hub")
 
     _fake_datasets(monkeypatch, load)
