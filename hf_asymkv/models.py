@@ -186,7 +186,7 @@ def check_model_source(name_or_path: str) -> None:
     existing entry) must be a folder holding ``config.json``.
 
     Raises:
-        ValueError: "no such file" / "no such folder" / "is not a model folder", naming the path.
+        ValueError: "no such file" / "no such folder" / "not a model folder", naming the path.
     """
     name = str(name_or_path)
     if name == DEFAULT_MODEL:
@@ -202,7 +202,7 @@ def check_model_source(name_or_path: str) -> None:
         raise ValueError(f"model {name!r}: no such folder (give a local model folder, a .gguf file, a Hub id "
                          f"such as org/name, or {DEFAULT_MODEL!r})")
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise ValueError(f"model {name!r} is not a model folder (it has no config.json)")
+        raise ValueError(f"model {name!r}: not a model folder (it has no config.json)")
 
 
 def load_model(
@@ -273,7 +273,10 @@ def load_config(model: str):
     from transformers import AutoConfig
 
     model = str(model)
-    check_model_source(model)
+    try:
+        check_model_source(model)
+    except ValueError as exc:  # "model 'x': no such folder ..."
+        raise ValueError(f"cannot load the config of {exc}") from None
     kwargs = {}
     if model == DEFAULT_MODEL:
         source = str(default_model_path())

@@ -282,7 +282,7 @@ def test_missing_local_model_is_refused_before_loading(monkeypatch, name, messag
 
 
 def test_folder_without_config_is_not_a_model(tmp_path):
-    with pytest.raises(ValueError, match="is not a model folder"):
+    with pytest.raises(ValueError, match="not a model folder"):
         check_model_source(str(tmp_path))
     check_model_source("org/some-model")  # Hub ids are the Hub's to answer
     check_model_source(DEFAULT_MODEL)
