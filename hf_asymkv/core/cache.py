@@ -63,13 +63,14 @@ class AsymKVCache(Cache):
 
     Args:
         config: the model config (`model.config`); multimodal configs use their text decoder.
-        cache_config: an :class:`~hf_asymkv.core.config.AsymKVConfig` (default: ``AsymKVConfig()``).
-        scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`~hf_asymkv.core.scales.KVScales`
+        cache_config: an :class:`hf_asymkv.AsymKVConfig` (default: ``AsymKVConfig()``).
+        scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`hf_asymkv.KVScales`
             (validated against ``config``). Full-attention layers then use the calibrated per-channel K scale
             for every block, except where a key exceeds it (``overflow_policy``).
         key_absmax: calibrated per-layer K ranges as tensors, ``{layer_idx: Tensor[kv_heads, head_dim]}``
             (what ``scales`` provides; give one or the other).
-        **settings: any :class:`~hf_asymkv.core.config.AsymKVConfig` field (``key_format``, ``value_bits``,
+        **settings: any :class:`hf_asymkv.AsymKVConfig` field (``key_format``: one of
+            :data:`hf_asymkv.KEY_FORMATS`; ``value_bits``: one of :data:`hf_asymkv.VALUE_BITS`;
             ``residual_length``, ``sink_tokens``, ...), applied over ``cache_config``.
 
     Raises:
@@ -78,9 +79,11 @@ class AsymKVCache(Cache):
 
     Example::
 
+        from hf_asymkv import AsymKVCache
+
         cache = AsymKVCache(model.config)
-        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
-        cache.memory_footprint()["total"], cache.stats()["tokens_quantized"]
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # a pipeline call takes cache= too
+        cache.memory_footprint()["ratio_vs_model_dtype"], cache.stats()["tokens_quantized"]
 
     When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
     the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).

@@ -129,7 +129,8 @@ def format_demo(rows: list[DemoRow], info: dict) -> str:
     if both:
         lines.append(f"KV MiB {dtype}: what this run holds (model dtype {dtype}). KV MiB bf16: the same caches on a "
                      "bf16 model (exact tokens at 2 bytes, codes and scales unchanged), the README's comparison.")
-    steps = [r.timed_steps for r in rows]
-    lines.append(f"decode ms/token: median of {min(steps)}-{max(steps)} decode steps after {WARMUP_STEPS} warm-up "
+    steps = sorted({r.timed_steps for r in rows})
+    counted = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+    lines.append(f"decode ms/token: median of {counted} decode steps after {WARMUP_STEPS} warm-up "
                  "steps, one run (n/a: too few steps); `hf-asymkv bench` repeats and interleaves the schemes.")
     return head + "\n".join(lines)
