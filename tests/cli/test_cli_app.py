@@ -125,6 +125,7 @@ BAD = [
     (["memory", "--lengths", "0"], "argument --lengths: expected positive integers, got '0'"),
     (["bench", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     (["bench", "--new-tokens", "x"], "argument --new-tokens: expected an integer >= 1, got 'x'"),
+    (["bench", "--new-tokens", "0"], "argument --new-tokens: must be >= 1, got 0"),
     (["bench", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
     (["demo", "--model", "/nonexistent"], "argument --model: model '/nonexistent': no such folder"),
     (["demo", "--model", "./foo"], "argument --model: model './foo': no such folder"),
