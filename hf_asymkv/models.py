@@ -194,7 +194,7 @@ def check_model_source(name_or_path: str) -> None:
     path = Path(name).expanduser()
     if name.lower().endswith(".gguf"):
         if not path.is_file():
-            raise ValueError(f"model {name!r}: no such file (a .gguf model must be a local file)")
+            raise ValueError(f"GGUF file {name!r} does not exist (no such file; a .gguf model must be a local file)")
         return
     if not _looks_local(name):
         return
@@ -275,7 +275,7 @@ def load_config(model: str):
     model = str(model)
     try:
         check_model_source(model)
-    except ValueError as exc:  # "model 'x': no such folder ..."
+    except ValueError as exc:  # "model 'x': no such folder ...", "GGUF file 'x.gguf' does not exist ..."
         raise ValueError(f"cannot load the config of {exc}") from None
     kwargs = {}
     if model == DEFAULT_MODEL:

@@ -129,7 +129,8 @@ BAD = [
     (["bench", "--threads", "-2"], "argument --threads: must be >= 0, got -2"),
     (["demo", "--model", "/nonexistent"], "argument --model: model '/nonexistent': no such folder"),
     (["demo", "--model", "./foo"], "argument --model: model './foo': no such folder"),
-    (["demo", "--model", "missing.gguf"], "argument --model: model 'missing.gguf': no such file"),
+    (["demo", "--model", "missing.gguf"],
+     "argument --model: GGUF file 'missing.gguf' does not exist (no such file"),
     (["demo", "--depth", "1.5"], "argument --depth: must be in [0, 1], got 1.5"),
     (["demo", "--context", "10"], "argument --context: must be >= 64, got 10"),
     (["eval", "needle", "--tasks", "single,bogus"], "argument --tasks: unknown task(s) ['bogus']; known tasks: "
