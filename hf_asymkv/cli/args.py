@@ -13,8 +13,8 @@ import argparse
 from collections.abc import Callable, Sequence
 
 __all__ = ["DTYPES", "Parser", "add_model_args", "add_threads_arg", "at_least", "command_line", "float_list",
-           "fraction", "fraction_list", "int_list", "load_model_from_args", "model_source", "name_list",
-           "set_threads", "torch_dtype"]
+           "file_path", "folder_path", "fraction", "fraction_list", "int_list", "load_model_from_args", "model_source",
+           "name_list", "set_threads", "torch_dtype"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,6 +77,25 @@ def name_list(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
         return names
     parse.__name__ = f"{what} list"
     return parse
+
+
+def folder_path(text: str) -> str:
+    """argparse ``type=``: an output folder (created if missing); an existing file there is refused now, not
+    after the run."""
+    from pathlib import Path
+
+    if Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    return text
+
+
+def file_path(text: str) -> str:
+    """argparse ``type=``: an output file; an existing folder there is refused now, not after the run."""
+    from pathlib import Path
+
+    if Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    return text
 
 
 def model_source(text: str) -> str:

@@ -6,7 +6,7 @@ import sys
 
 import argparse
 
-from .args import add_model_args, at_least, load_model_from_args
+from .args import add_model_args, at_least, file_path, load_model_from_args
 
 __all__ = ["add_parser"]
 
@@ -74,6 +74,7 @@ def add_parser(sub) -> None:
                    help="K range statistic: absmax or percentile")
     p.add_argument("--percentile", type=_percentile, default=99.99,
                    help="for --statistic percentile, in (0, 100)")
-    p.add_argument("--out", default="kv_scales.safetensors", help="output file (default kv_scales.safetensors)")
+    p.add_argument("--out", type=file_path, default="kv_scales.safetensors",
+                   help="output file (default kv_scales.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_calibrate)

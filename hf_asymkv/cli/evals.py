@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..bench.schemes import scheme_names
 from ..evals.needle import TASKS
-from .args import (add_model_args, add_threads_arg, at_least, command_line, fraction_list, int_list,
+from .args import (add_model_args, add_threads_arg, at_least, command_line, folder_path, fraction_list, int_list,
                    load_model_from_args, name_list, set_threads)
 
 __all__ = ["add_parser"]
@@ -202,7 +202,7 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None)
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--out", default=None, help=f"folder for {name}.json, {name}.md and the figure")
+    p.add_argument("--out", type=folder_path, default=None, help=f"folder for {name}.json, {name}.md and the figure")
     if text_flag:
         p.add_argument(text_flag, dest="text_file", default=None, help="local UTF-8 text file (default: the "
                        "built-in corpus, Python's pydoc_data.topics)")
@@ -215,7 +215,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=None, usage_parser=p)  # `hf-asymkv eval` alone lists the evaluations
     e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
     e.add_argument("--seeds", type=at_least(1), default=5, help="number of random heads")
-    e.add_argument("--out", default=None, help="folder for synthetic.json and synthetic.md")
+    e.add_argument("--out", type=folder_path, default=None, help="folder for synthetic.json and synthetic.md")
     e.set_defaults(func=_cmd_eval_synthetic)
 
     e = evals.add_parser("needle", help="RULER-style needle retrieval grid (length x depth x task) per scheme")

@@ -168,6 +168,21 @@ def test_bad_value_is_refused_before_anything_loads(no_model, capsys, argv, mess
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["bench", "--out", "taken.txt"], "argument --out: 'taken.txt' is a file; give a folder"),
+    (["eval", "needle", "--out", "taken.txt"], "argument --out: 'taken.txt' is a file; give a folder"),
+    (["memory", "--out", "folder"], "argument --out: 'folder' is a folder; give a file name"),
+    (["calibrate", "--data", "x.txt", "--out", "folder"], "argument --out: 'folder' is a folder; give a file name"),
+], ids=["bench", "needle", "memory", "calibrate"])
+def test_output_path_of_the_wrong_kind_is_refused_before_the_run(no_model, capsys, argv, message):
+    (no_model / "taken.txt").write_text("keep me")
+    (no_model / "folder").mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert (no_model / "taken.txt").read_text() == "keep me" and not any((no_model / "folder").iterdir())
+
+
+@pytest.mark.parametrize("argv, message", [
     (["eval", "attention", "--length", "64", "--queries", "40"], "--queries must be in [1, 32], got 40"),
     (["eval", "ppl", "--length", "64", "--prefix", "63"], "--prefix must be in [1, 62], got 63"),
 ], ids=["queries-vs-length", "prefix-vs-length"])
