@@ -1,7 +1,7 @@
 """The `hf-asymkv` command line: the parser and the error handling; each command group lives in its own module.
 
 Command modules import their heavy dependencies (torch, transformers, the tools) inside the commands, so that
-building the parser and ``--help`` stay fast (``tests/cli/test_app.py`` holds it). Every argument is checked
+building the parser and ``--help`` stay fast (``tests/cli/test_cli_app.py`` holds it). Every argument is checked
 while the command line is parsed (:mod:`.args`), before a model loads.
 
 Exit codes: 0 success; 2 a usage error (argparse's message) or a bad value found by a command (``error: ...``
