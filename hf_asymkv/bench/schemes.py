@@ -9,58 +9,82 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
+if TYPE_CHECKING:  # torch, transformers and the core load inside the factories: the CLI lists names cheaply
+    from transformers import PreTrainedConfig
+    from transformers.cache_utils import Cache
 
-from ..core.attention import ATTN_IMPLEMENTATION, register
-from ..core.cache import AsymKVCache
+    from ..core.cache import AsymKVCache
 
 __all__ = ["ATTENTION", "SCHEMES", "check_scheme", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
 
-Factory = Callable[[PreTrainedConfig], Cache]
+Factory = Callable[["PreTrainedConfig"], "Cache"]
+
+
+def _dynamic(config: PreTrainedConfig) -> Cache:
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def _quantized(backend: str, **kwargs) -> Factory:
+    def build(config: PreTrainedConfig) -> Cache:
+        from transformers.cache_utils import QuantizedCache
+
+        return QuantizedCache(backend, config, **kwargs)
+    return build
+
+
+def _asymkv(**settings) -> Factory:
+    def build(config: PreTrainedConfig) -> AsymKVCache:
+        from ..core.cache import AsymKVCache
+
+        return AsymKVCache(config, **settings)
+    return build
+
 
 SCHEMES: dict[str, tuple[str, Factory]] = {
-    "dynamic": ("full precision DynamicCache", lambda c: DynamicCache(config=c)),
+    "dynamic": ("full precision DynamicCache", _dynamic),
     "hf-quanto-int4": (
         "transformers QuantizedCache, optimum-quanto int4 (K and V per-channel groups of 64, window 128)",
-        lambda c: QuantizedCache("quanto", c, nbits=4),
+        _quantized("quanto", nbits=4),
     ),
-    "hf-fp8": ("transformers QuantizedCache fp8 (per-tensor scale frozen at prefill)", lambda c: QuantizedCache("fp8", c)),
-    "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", lambda c: AsymKVCache(c)),
+    "hf-fp8": ("transformers QuantizedCache fp8 (per-tensor scale frozen at prefill)", _quantized("fp8")),
+    "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", _asymkv()),
     "asymkv-fused": (
         "ours, defaults, with the fused attention over the codes (attn_implementation='asymkv_sdpa')",
         lambda c: _fused_cache(c),
     ),
-    "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", lambda c: AsymKVCache(c, key_format="fp8_e4m3")),
-    "asymkv-sinks4": ("ours with 4 exact sink tokens", lambda c: AsymKVCache(c, sink_tokens=4)),
+    "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", _asymkv(key_format="fp8_e4m3")),
+    "asymkv-sinks4": ("ours with 4 exact sink tokens", _asymkv(sink_tokens=4)),
     # the sinks ablation (README, Evidence): at 4096 tokens 4 sinks shift the block boundaries so the window holds
     # 252 tokens; these two separate the sinks (same 128 exact tokens as the default) from the larger window.
     "asymkv-sinks4-w124": (
         "ours with 4 exact sink tokens and a 124-token window (the default's bytes at 4k)",
-        lambda c: AsymKVCache(c, sink_tokens=4, residual_length=124),
+        _asymkv(sink_tokens=4, residual_length=124),
     ),
-    "asymkv-w256": ("ours with a 256-token exact window (4 sinks' bytes at 4k)", lambda c: AsymKVCache(c, residual_length=256)),
-    "asymkv-w32": ("ours with a 32-token exact window", lambda c: AsymKVCache(c, residual_length=32)),
-    "asymkv-w512": ("ours with a 512-token exact window", lambda c: AsymKVCache(c, residual_length=512)),
+    "asymkv-w256": ("ours with a 256-token exact window (4 sinks' bytes at 4k)", _asymkv(residual_length=256)),
+    "asymkv-w32": ("ours with a 32-token exact window", _asymkv(residual_length=32)),
+    "asymkv-w512": ("ours with a 512-token exact window", _asymkv(residual_length=512)),
     "k4v4-sym": (
         "baseline: symmetric int4 K per-channel and V per-token",
-        lambda c: AsymKVCache(c, key_format="int4", value_bits=4, value_symmetric=True),
+        _asymkv(key_format="int4", value_bits=4, value_symmetric=True),
     ),
-    "k4v8-inverted": ("baseline: K int4 per-channel, V int8 per-token", lambda c: AsymKVCache(c, key_format="int4", value_bits=8)),
+    "k4v8-inverted": ("baseline: K int4 per-channel, V int8 per-token", _asymkv(key_format="int4", value_bits=8)),
     "int8-per-tensor": (
         "baseline: K and V int8 with one scale per block of all heads/channels",
-        lambda c: AsymKVCache(c, key_granularity="tensor", value_bits=8, value_granularity="tensor", value_symmetric=True),
+        _asymkv(key_granularity="tensor", value_bits=8, value_granularity="tensor", value_symmetric=True),
     ),
 }
 
 
 # Schemes that need the model's attention implementation switched while they run.
-ATTENTION = {"asymkv-fused": ATTN_IMPLEMENTATION}
+ATTENTION = {"asymkv-fused": "asymkv_sdpa"}  # hf_asymkv.core.attention.ATTN_IMPLEMENTATION (a test holds them equal)
 
 
 def _fused_cache(config: PreTrainedConfig) -> AsymKVCache:
-    cache = AsymKVCache(config)
+    cache = _asymkv()(config)
     if not cache.fused_attention:
         raise ValueError("scheme 'asymkv-fused' needs the model on attn_implementation='asymkv_sdpa': build it "
                          "inside `with scheme_attention(model, 'asymkv-fused'):`.")
@@ -75,6 +99,8 @@ def scheme_attention(model, name: str) -> Iterator[None]:
     if wanted is None or wanted == before:
         yield
         return
+    from ..core.attention import register
+
     register()
     model.set_attn_implementation(wanted)
     try:
@@ -89,6 +115,7 @@ def with_baseline(schemes: list[str]) -> list[str]:
 
 
 def scheme_names() -> list[str]:
+    """Every scheme name, in the order of :data:`SCHEMES`."""
     return list(SCHEMES)
 
 

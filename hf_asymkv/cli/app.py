@@ -1,7 +1,11 @@
 """The `hf-asymkv` command line: the parser and the error handling; each command group lives in its own module.
 
 Command modules import their heavy dependencies (torch, transformers, the tools) inside the commands, so that
-building the parser and ``--help`` stay fast.
+building the parser and ``--help`` stay fast (``tests/cli/test_cli_app.py`` holds it). Every argument is checked
+while the command line is parsed (:mod:`.args`), before a model loads.
+
+Exit codes: 0 success; 2 a usage error (argparse's message) or a bad value found by a command (``error: ...``
+on stderr); ``hf-asymkv`` (or ``hf-asymkv eval``) without a command prints the command list and exits 2.
 """
 
 from __future__ import annotations
@@ -10,13 +14,15 @@ import argparse
 import sys
 
 from . import bench, calibrate, demo, evals, hub
+from .args import Parser
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-asymkv", description="Asymmetric KV-cache quantization for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="hf-asymkv", description="Asymmetric KV-cache quantization for transformers.")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    parser.set_defaults(func=None, usage_parser=parser)
     demo.add_parser(sub)
     calibrate.add_parser(sub)
     evals.add_parser(sub)
@@ -32,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    if args.func is None:  # no command: the command list, on stdout, and the usage-error exit code
+        args.usage_parser.print_help()
+        return 2
     try:
         return args.func(args)
     # Bad input, a missing model package or eval extra, or a --model that is neither a folder nor a reachable Hub id

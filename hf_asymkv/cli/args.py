@@ -1,17 +1,112 @@
-"""Argument helpers every `hf-asymkv` command shares: list parsers, model flags, threads, the command line.
+"""Argument helpers every `hf-asymkv` command shares: the parser class, checked argument types, model flags,
+threads, the command line.
 
-Nothing heavy is imported here (torch and transformers load inside the functions that need them), so that
-``--help`` stays fast.
+Every value a command takes is checked by its argparse ``type=`` (names, ranges, paths), so a wrong value fails
+while the command line is parsed: before any model loads and before anything is written; the message lists
+the values allowed, and so does ``--help``. Nothing heavy is imported here (torch and transformers load inside
+the functions that need them), so that ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 
-__all__ = ["DTYPES", "add_model_args", "command_line", "float_list", "int_list", "load_model_from_args",
-           "set_threads", "torch_dtype"]
+__all__ = ["DTYPES", "Parser", "add_model_args", "add_threads_arg", "at_least", "command_line", "float_list",
+           "file_path", "folder_path", "fraction", "fraction_list", "int_list", "load_model_from_args", "model_source",
+           "name_list", "set_threads", "torch_dtype"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already states its default, or there is none
+    to state (None, a store_true flag, a required option)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        no_default = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in help_text or no_default or action.required:
+            return help_text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with :class:`HelpFormatter`; subcommand parsers inherit the class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """argparse ``type=``: an integer ``>= low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=``: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def name_list(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """argparse ``type=``: comma-separated names, each one of ``known``, none repeated."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}s, got {text!r}")
+        if bad := [n for n in names if n not in known]:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}; known {what}s: {', '.join(known)}")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{what}s repeated in {text!r}")
+        return names
+    parse.__name__ = f"{what} list"
+    return parse
+
+
+def folder_path(text: str) -> str:
+    """argparse ``type=``: an output folder (created if missing); an existing file there is refused now, not
+    after the run."""
+    from pathlib import Path
+
+    if Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    return text
+
+
+def file_path(text: str) -> str:
+    """argparse ``type=``: an output file; an existing folder there is refused now, not after the run."""
+    from pathlib import Path
+
+    if Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    return text
+
+
+def model_source(text: str) -> str:
+    """argparse ``type=``: ``--model``; a local path that does not exist is refused here, not by the Hub client."""
+    from ..models import check_model_source
+
+    try:
+        check_model_source(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def int_list(text: str) -> list[int]:
@@ -22,6 +117,14 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def fraction_list(text: str) -> list[float]:
+    """``"0,0.5,1"`` -> ``[0.0, 0.5, 1.0]``, each in [0, 1], for argparse ``type=``."""
+    values = float_list(text)
+    if bad := [v for v in values if not 0.0 <= v <= 1.0]:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {bad}")
     return values
 
 
@@ -41,6 +144,11 @@ def torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """``--threads`` (0: torch's choice)."""
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default 0: torch's choice)")
 
 
 def set_threads(threads: int) -> None:
@@ -74,9 +182,10 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     """``--model``, ``--dtype``, ``--device``, ``--device-map``, ``--offload-folder``."""
     from ..models import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=DEFAULT_MODEL, type=model_source,
                    help=f"HF model id, local folder or .gguf file (default: the embedded {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default=dtype, choices=DTYPES, help=f"model dtype (default {dtype})")
+    p.add_argument("--dtype", default=dtype, choices=DTYPES,
+                   help=f"model dtype, one of {', '.join(DTYPES)} (default {dtype})")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--device-map", default=None,
                    help="accelerate device_map (overrides --device): auto, balanced, sequential, a device, or a JSON "

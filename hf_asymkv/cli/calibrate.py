@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from .args import add_model_args, load_model_from_args
+import argparse
+
+from .args import add_model_args, at_least, file_path, load_model_from_args
 
 __all__ = ["add_parser"]
 
@@ -17,16 +19,8 @@ def _cmd_calibrate(args) -> int:
     from ..calibration.data import pack_samples, stream_texts
     from ..core.fileio import atomic_write_text
 
-    # Every argument is checked before the (slow) model load; an out-of-range --percentile is wrong whatever
-    # --statistic says.
-    if not 0 < args.percentile < 100:
-        raise ValueError(f"--percentile must be in (0, 100), got {args.percentile}")
-    for flag, value in (("--chunk-size", args.chunk_size), ("--seq-len", args.seq_len),
-                        ("--num-samples", args.num_samples)):
-        if value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    # The first text is read now (a missing file or column fails before the model loads); the rest is streamed
-    # only as far as the samples need.
+    # A missing file or column fails before the model loads (the first text is read now); the rest is streamed
+    # only as far as the samples need. Numeric ranges were checked while parsing.
     texts = stream_texts(args.data, split=args.split, text_column=args.text_column)
     model, tokenizer = load_model_from_args(args)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -56,6 +50,17 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _percentile(text: str) -> float:
+    """argparse ``type=``: a number in (0, 100); wrong whatever --statistic says."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 100), got {text!r}") from None
+    if not 0 < value < 100:
+        raise argparse.ArgumentTypeError(f"must be in (0, 100), got {value}")
+    return value
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="record K/V ranges on long samples into a kv_scales.safetensors file")
     add_model_args(p)
@@ -64,13 +69,16 @@ def add_parser(sub) -> None:
                         "folder of them, or a `datasets` name")
     p.add_argument("--split", default="train", help="dataset split (datasets names only; default train)")
     p.add_argument("--text-field", "--text-column", dest="text_column", default="text",
-                   help="text field of .jsonl/.json/.parquet rows and datasets (default text)")
-    p.add_argument("--seq-len", type=int, default=8192,
-                   help="sample length in tokens: use your production context length (default 8192)")
-    p.add_argument("--num-samples", type=int, default=4, help="number of packed samples (default 4)")
-    p.add_argument("--chunk-size", type=int, default=2048, help="chunked-prefill size (default 2048)")
-    p.add_argument("--statistic", default="absmax", choices=["absmax", "percentile"], help="K range statistic")
-    p.add_argument("--percentile", type=float, default=99.99, help="for --statistic percentile (default 99.99)")
-    p.add_argument("--out", default="kv_scales.safetensors", help="output file (default kv_scales.safetensors)")
+                   help="text field of .jsonl/.json/.parquet rows and datasets")
+    p.add_argument("--seq-len", type=at_least(1), default=8192,
+                   help="sample length in tokens: use your production context length")
+    p.add_argument("--num-samples", type=at_least(1), default=4, help="number of packed samples")
+    p.add_argument("--chunk-size", type=at_least(1), default=2048, help="chunked-prefill size in tokens")
+    p.add_argument("--statistic", default="absmax", choices=["absmax", "percentile"],
+                   help="K range statistic: absmax or percentile")
+    p.add_argument("--percentile", type=_percentile, default=99.99,
+                   help="for --statistic percentile, in (0, 100)")
+    p.add_argument("--out", type=file_path, default="kv_scales.safetensors",
+                   help="output file (default kv_scales.safetensors)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_calibrate)

@@ -11,7 +11,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .args import add_model_args, command_line, float_list, int_list, load_model_from_args, set_threads
+from ..bench.schemes import scheme_names
+from ..evals.needle import TASKS
+from .args import (add_model_args, add_threads_arg, at_least, command_line, folder_path, fraction_list, int_list,
+                   load_model_from_args, name_list, set_threads)
 
 __all__ = ["add_parser"]
 
@@ -19,17 +22,23 @@ DEFAULT_SCHEMES = ("dynamic,hf-quanto-int4,hf-fp8,asymkv,asymkv-fp8,k4v4-sym,k4v
                    "asymkv-sinks4,asymkv-w32,asymkv-w512")
 
 
-def _prepare(args, needs_text: bool):
-    """Checks that need no model, then threads, model and the schemes it supports.
+def _prepare(args, needs_text: bool, lengths: dict[str, list[int]]):
+    """Checks that need no weights (``lengths``: ``{flag: token counts}`` against the model config's position
+    limit), then threads, model and the schemes it supports.
 
     Returns:
         ``(model, tokenizer, schemes, skipped, text, text_source)``.
     """
-    from ..evals.common import check_schemes, schemes_for
+    from ..evals.common import check_length, check_schemes, schemes_for
     from ..evals.haystack import load_text
+    from ..models import load_config
     from ..plots import require_matplotlib
 
-    schemes = check_schemes([s for s in args.schemes.split(",") if s])
+    schemes = check_schemes(args.schemes)
+    config = load_config(args.model)  # config.json only: lengths fail before the weights load
+    for flag, values in lengths.items():
+        for length in values:
+            check_length(config, length, flag)
     text, source = load_text(args.text_file) if needs_text else (None, None)
     if args.out:
         require_matplotlib()  # fail now, not after an hour of measuring
@@ -52,20 +61,16 @@ def _write_md(path: Path, meta: dict, table: str) -> None:
 
 
 def _cmd_needle(args) -> int:
-    from ..evals.needle import TASKS
     from ..evals.figures import plot_needle_heatmaps
     from ..evals.report import flips, needle_markdown, write_json
     from ..evals.retrieval import accuracy_table, heatmap_grid, run_needle
 
-    tasks = [t for t in args.tasks.split(",") if t]
-    if bad := [t for t in tasks if t not in TASKS]:
-        raise ValueError(f"--tasks: unknown task(s) {bad}; known tasks: {list(TASKS)}")
-    if bad := [d for d in args.depths if not 0.0 <= d <= 1.0]:
-        raise ValueError(f"--depths must be in [0, 1], got {bad}")
+    tasks = args.tasks
     if args.text_file is not None and args.haystack != "text":
         raise ValueError(f"--haystack-file is the text haystack's source; add --haystack text "
                          f"(got --haystack {args.haystack})")
-    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.haystack == "text")
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.haystack == "text",
+                                                                {"--lengths": args.lengths})
     start = time.perf_counter()
     rows = run_needle(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples, args.haystack, text,
                       args.seed, show_progress=not args.quiet)
@@ -97,7 +102,9 @@ def _cmd_attention(args) -> int:
     from ..evals.figures import plot_attention_layers
     from ..evals.report import attention_markdown, write_json
 
-    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False)
+    if args.queries > args.length // 2:
+        raise ValueError(f"--queries must be in [1, {args.length // 2}], got {args.queries}")
+    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_attention(model, tokenizer, schemes, args.length, args.samples, args.queries, seed=args.seed,
                          show_progress=not args.quiet)
@@ -122,7 +129,9 @@ def _cmd_ppl(args) -> int:
     from ..evals.ppl import run_ppl
     from ..evals.report import ppl_markdown, write_json
 
-    model, tokenizer, schemes, skipped, text, source = _prepare(args, True)
+    if args.prefix is not None and args.prefix > args.length - 2:
+        raise ValueError(f"--prefix must be in [1, {args.length - 2}], got {args.prefix}")
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, True, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_ppl(model, tokenizer, schemes, text, args.length, args.windows, args.prefix, args.chunk,
                    show_progress=not args.quiet)
@@ -174,8 +183,6 @@ def _cmd_eval_synthetic(args) -> int:
     from ..core.fileio import atomic_write_text
     from ..evals.synthetic import format_synthetic, run_synthetic
 
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
     rows = run_synthetic(args.seeds)
     table = format_synthetic(rows)
     print(table)
@@ -189,12 +196,13 @@ def _cmd_eval_synthetic(args) -> int:
 
 def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None) -> None:
     add_model_args(p)
-    p.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated scheme names (dynamic is always "
+    p.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"), default=DEFAULT_SCHEMES,
+                   help=f"comma-separated scheme names, from: {', '.join(scheme_names())} (dynamic is always "
                    "added first as the reference; schemes a model cannot use are listed as skipped)")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    add_threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--out", default=None, help=f"folder for {name}.json, {name}.md and the figure")
+    p.add_argument("--out", type=folder_path, default=None, help=f"folder for {name}.json, {name}.md and the figure")
     if text_flag:
         p.add_argument(text_flag, dest="text_file", default=None, help="local UTF-8 text file (default: the "
                        "built-in corpus, Python's pydoc_data.topics)")
@@ -203,37 +211,41 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None)
 def add_parser(sub) -> None:
     """The ``eval`` command and its subcommands."""
     p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity")
-    evals = p.add_subparsers(dest="eval_command", required=True)
+    evals = p.add_subparsers(dest="eval_command", title="evaluations", metavar="EVAL")
+    p.set_defaults(func=None, usage_parser=p)  # `hf-asymkv eval` alone lists the evaluations
     e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
-    e.add_argument("--seeds", type=int, default=5, help="number of random heads (default 5)")
-    e.add_argument("--out", default=None, help="folder for synthetic.json and synthetic.md")
+    e.add_argument("--seeds", type=at_least(1), default=5, help="number of random heads")
+    e.add_argument("--out", type=folder_path, default=None, help="folder for synthetic.json and synthetic.md")
     e.set_defaults(func=_cmd_eval_synthetic)
 
     e = evals.add_parser("needle", help="RULER-style needle retrieval grid (length x depth x task) per scheme")
     _common(e, "needle", "--haystack-file")
-    e.add_argument("--lengths", type=int_list, default=[1024, 2048, 4096, 8192],
+    e.add_argument("--lengths", type=int_list, default="1024,2048,4096,8192",
                    help="token budgets, prompt + answer (default 1024,2048,4096,8192)")
-    e.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+    e.add_argument("--depths", type=fraction_list, default="0,0.25,0.5,0.75,1",
                    help="needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
-    e.add_argument("--tasks", default="single,multikey,multivalue,multiquery", help="comma-separated tasks")
-    e.add_argument("--samples", type=int, default=1, help="prompts per (length, depth, task) cell (default 1)")
+    e.add_argument("--tasks", type=name_list(TASKS, "task"), default=",".join(TASKS),
+                   help=f"comma-separated tasks, from: {', '.join(TASKS)}")
+    e.add_argument("--samples", type=at_least(1), default=1, help="prompts per (length, depth, task) cell")
     e.add_argument("--haystack", default="noise", choices=["noise", "needles", "text"],
                    help="filler: repeated noise, distractor needles, or natural text (--haystack-file)")
     e.set_defaults(func=_cmd_needle)
 
     e = evals.add_parser("attention", help="per-layer attention KL and top-k overlap vs full precision")
     _common(e, "attention")
-    e.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    e.add_argument("--samples", type=int, default=2, help="prompts, needle depths spread (default 2)")
-    e.add_argument("--queries", type=int, default=32, help="last prompt tokens whose attention is compared")
+    e.add_argument("--length", type=at_least(1), default=4096, help="prompt length in tokens")
+    e.add_argument("--samples", type=at_least(1), default=2, help="prompts, needle depths spread")
+    e.add_argument("--queries", type=at_least(1), default=32,
+                   help="last prompt tokens whose attention is compared (at most half of --length)")
     e.set_defaults(func=_cmd_attention)
 
     e = evals.add_parser("ppl", help="perplexity through each scheme's quantized history, on long text")
     _common(e, "ppl", "--text-file")
-    e.add_argument("--length", type=int, default=4096, help="window length in tokens (default 4096)")
-    e.add_argument("--windows", type=int, default=2, help="windows at evenly spaced text offsets (default 2)")
-    e.add_argument("--prefix", type=int, default=None, help="tokens prefilled before scoring (default length/2)")
-    e.add_argument("--chunk", type=int, default=64, help="tokens per scoring call (default 64)")
+    e.add_argument("--length", type=at_least(3), default=4096, help="window length in tokens")
+    e.add_argument("--windows", type=at_least(1), default=2, help="windows at evenly spaced text offsets")
+    e.add_argument("--prefix", type=at_least(1), default=None,
+                   help="tokens prefilled before scoring, below --length (default length/2)")
+    e.add_argument("--chunk", type=at_least(1), default=64, help="tokens per scoring call")
     e.set_defaults(func=_cmd_ppl)
 
     e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")

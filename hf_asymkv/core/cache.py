@@ -63,13 +63,14 @@ class AsymKVCache(Cache):
 
     Args:
         config: the model config (`model.config`); multimodal configs use their text decoder.
-        cache_config: an :class:`~hf_asymkv.core.config.AsymKVConfig` (default: ``AsymKVConfig()``).
-        scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`~hf_asymkv.core.scales.KVScales`
+        cache_config: an :class:`hf_asymkv.AsymKVConfig` (default: ``AsymKVConfig()``).
+        scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`hf_asymkv.KVScales`
             (validated against ``config``). Full-attention layers then use the calibrated per-channel K scale
             for every block, except where a key exceeds it (``overflow_policy``).
         key_absmax: calibrated per-layer K ranges as tensors, ``{layer_idx: Tensor[kv_heads, head_dim]}``
             (what ``scales`` provides; give one or the other).
-        **settings: any :class:`~hf_asymkv.core.config.AsymKVConfig` field (``key_format``, ``value_bits``,
+        **settings: any :class:`hf_asymkv.AsymKVConfig` field (``key_format``: one of
+            :data:`hf_asymkv.KEY_FORMATS`; ``value_bits``: one of :data:`hf_asymkv.VALUE_BITS`;
             ``residual_length``, ``sink_tokens``, ...), applied over ``cache_config``.
 
     Raises:
@@ -78,9 +79,11 @@ class AsymKVCache(Cache):
 
     Example::
 
+        from hf_asymkv import AsymKVCache
+
         cache = AsymKVCache(model.config)
-        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
-        cache.memory_footprint()["total"], cache.stats()["tokens_quantized"]
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # a pipeline call takes cache= too
+        cache.memory_footprint()["ratio_vs_model_dtype"], cache.stats()["tokens_quantized"]
 
     When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
     the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
@@ -235,28 +238,42 @@ class AsymKVCache(Cache):
                 layers.append(fallback[i])
         return layers
 
-    def memory_footprint(self) -> dict[str, int]:
-        """Real bytes of every tensor the cache holds, unused capacity included.
+    def memory_footprint(self) -> dict[str, int | float]:
+        """Real bytes of every tensor the cache holds, unused capacity included, and what full-precision caches
+        holding the same tokens would take.
 
         Returns:
-            ``{part: bytes}`` for the quantized layers' parts (codes, scales, zeros, sinks, window,
-            ``unused_capacity`` as an informational subset), ``full_precision_layers`` for the layers kept
-            exact (sliding windows), ``total``, and ``bf16_equivalent``: what a bf16 ``DynamicCache`` would hold
-            for the same tokens (``2 * 2 bytes * batch * kv_heads * seq * head_dim`` per layer, sliding layers
-            at their own window).
+            - ``{part: bytes}`` for the quantized layers' parts (codes, scales, zeros, sinks, window,
+              ``unused_capacity`` as an informational subset) and ``full_precision_layers`` for the layers kept
+              exact (sliding windows);
+            - ``total``: the sum of the parts, ``unused_capacity`` counted once;
+            - ``model_dtype_equivalent``: the bytes of a ``DynamicCache`` in the model's own dtype (the dtype
+              the K/V states arrive in: 4 bytes/element on an fp32 model, 2 on bf16/fp16) holding the same
+              tokens: ``2 * itemsize * batch * kv_heads * seq * head_dim`` per layer, sliding layers at their
+              own window. This is what a user compares against on their own model;
+            - ``ratio_vs_model_dtype``: ``model_dtype_equivalent / total`` (how many times smaller than that
+              ``DynamicCache``; 0.0 while empty);
+            - ``bf16_equivalent``: the same cache in bf16 (2 bytes/element) whatever the model's dtype, the
+              figure the README's ratios use; on an fp32 model it is half of ``model_dtype_equivalent``.
         """
         parts: Counter = Counter()
+        equivalent: Counter = Counter()
         for layer in self.layers:
             if isinstance(layer, AsymKVLayer):
                 parts.update(layer.memory_footprint())
                 if layer.is_initialized:
-                    parts["bf16_equivalent"] += layer.dense_elements() * 2
+                    elements = layer.dense_elements()
+                    equivalent["bf16"] += elements * 2
+                    equivalent["model_dtype"] += elements * layer.dtype.itemsize
             else:
                 held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
                 parts["full_precision_layers"] += sum(t.numel() * t.element_size() for t in held)
-                parts["bf16_equivalent"] += sum(t.numel() * 2 for t in held)
-        total = sum(v for k, v in parts.items() if k not in ("unused_capacity", "bf16_equivalent"))
-        return {**dict(parts), "total": total, "bf16_equivalent": parts["bf16_equivalent"]}
+                equivalent["bf16"] += sum(t.numel() * 2 for t in held)
+                equivalent["model_dtype"] += sum(t.numel() * t.element_size() for t in held)
+        total = sum(v for k, v in parts.items() if k != "unused_capacity")
+        ratio = equivalent["model_dtype"] / total if total else 0.0
+        return {**dict(parts), "total": total, "model_dtype_equivalent": equivalent["model_dtype"],
+                "ratio_vs_model_dtype": ratio, "bf16_equivalent": equivalent["bf16"]}
 
     def stats(self) -> dict[str, int]:
         """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,

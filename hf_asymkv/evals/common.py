@@ -49,12 +49,13 @@ def schemes_for(model, schemes: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def max_positions(model) -> int | None:
-    """The model's ``max_position_embeddings`` (text decoder), or None when it declares none."""
-    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    """The ``max_position_embeddings`` (text decoder) of a model or of its config, or None when it declares none."""
+    config = getattr(model, "config", model)
+    return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
 def check_length(model, length: int, what: str = "--lengths") -> None:
-    """Raise ``ValueError`` when ``length`` tokens exceed the model's position limit."""
+    """Raise ``ValueError`` when ``length`` tokens exceed the position limit of ``model`` (a model or a config)."""
     limit = max_positions(model)
     if limit and length > limit:
         raise ValueError(f"{what}: {length} tokens exceed the model's max_position_embeddings ({limit})")

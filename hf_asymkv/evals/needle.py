@@ -22,7 +22,6 @@ import random
 import re
 from dataclasses import dataclass
 
-from .evaluate import encode_prompt
 from .tasks import score_answer
 from .haystack import haystack_stream, needle_sentence, random_key, random_value
 
@@ -172,6 +171,8 @@ def make_task(tokenizer, task: str, length: int, depth: float, seed: int = 0, ha
     Raises:
         ValueError: unknown task, depth outside [0, 1], or a length too short for the question.
     """
+    from .evaluate import encode_prompt  # torch: imported here so that the CLI reads TASKS without it
+
     if task not in TASKS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
     if not 0.0 <= depth <= 1.0:

@@ -77,5 +77,7 @@ def test_bench_cli_writes_json_markdown_png(workdir, tmp_path, capsys):
 
 
 def test_bench_cli_rejects_unknown_scheme_before_loading(capsys):
-    assert main(["bench", "--schemes", "asymkv,nope"]) == 2
-    assert "Unknown cache scheme 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # refused while parsing, before the model loads
+        main(["bench", "--schemes", "asymkv,nope"])
+    assert info.value.code == 2
+    assert "argument --schemes: unknown cache scheme(s) ['nope']; known cache schemes: dynamic," in capsys.readouterr().err

@@ -440,6 +440,31 @@ def test_memory_footprint_and_bf16_equivalent(llama, prompt):
     assert "AsymKVCache(" in repr(cache)
 
 
+@pytest.mark.parametrize("model_name, dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
+                                               ("hybrid", torch.float32)], ids=["fp32", "bf16", "hybrid-fp32"])
+def test_model_dtype_equivalent_is_a_real_dynamic_cache(request, prompt, model_name, dtype):
+    """``model_dtype_equivalent`` is byte for byte what a DynamicCache in the model's dtype holds after the same
+    generation; ``bf16_equivalent`` stays the bf16 figure, half of it on fp32."""
+    model = request.getfixturevalue(model_name)
+    if dtype != torch.float32:
+        model = copy.deepcopy(model).to(dtype)
+    dynamic, cache = DynamicCache(config=model.config), AsymKVCache(model.config, **SMALL)
+    _gen(model, prompt, {"cache": dynamic})
+    _gen(model, prompt, {"cache": cache})
+    dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    fp = cache.memory_footprint()
+    assert fp["model_dtype_equivalent"] == dynamic_bytes
+    assert fp["bf16_equivalent"] * dtype.itemsize == dynamic_bytes * 2
+    assert fp["ratio_vs_model_dtype"] == pytest.approx(dynamic_bytes / fp["total"])
+    assert fp["ratio_vs_model_dtype"] > 1.0
+
+
+def test_memory_footprint_of_an_empty_cache(llama):
+    fp = AsymKVCache(llama.config).memory_footprint()
+    assert fp["total"] == fp["model_dtype_equivalent"] == fp["bf16_equivalent"] == 0
+    assert fp["ratio_vs_model_dtype"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------- bad arguments
 def _config_with_layer_types(config: PreTrainedConfig, types: str) -> PreTrainedConfig:
     cfg = copy.deepcopy(config)

@@ -1,5 +1,5 @@
-"""The package layout holds: the core imports no tool, ``import hf_asymkv`` loads the core only and quickly,
-and no module imports another module's ``_private`` name."""
+"""The package layout holds: the core imports no tool, ``import hf_asymkv`` loads nothing heavy and its public
+names load the core only and quickly, and no module imports another module's ``_private`` name."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 t1 = time.perf_counter()
 import hf_asymkv
+hf_asymkv.AsymKVCache, hf_asymkv.KVScales, hf_asymkv.register_attention
 t2 = time.perf_counter()
 print(t2 - t1)
 print(" ".join(sorted(m for m in sys.modules if m.startswith("hf_asymkv"))))
@@ -112,3 +113,22 @@ def test_import_loads_no_tool_dependency(fresh_import):
 def test_import_time(fresh_import):
     seconds, _, _ = fresh_import
     assert seconds < IMPORT_SECONDS, f"import hf_asymkv took {seconds:.2f} s beyond torch + transformers"
+
+
+def test_bare_import_loads_neither_torch_nor_transformers():
+    """``import hf_asymkv`` (what ``hf-asymkv --help`` pays for) defers the core to the first public name used."""
+    code = ("import sys, hf_asymkv; print(' '.join(m for m in ('torch', 'transformers', 'hf_asymkv.core') "
+            "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []
+
+
+def test_public_names_resolve_and_unknown_names_fail():
+    import hf_asymkv
+    from hf_asymkv.core.config import KEY_FORMATS, VALUE_BITS
+
+    assert hf_asymkv.KEY_FORMATS is KEY_FORMATS and hf_asymkv.VALUE_BITS is VALUE_BITS
+    assert all(getattr(hf_asymkv, name) is not None for name in hf_asymkv.__all__)
+    assert set(hf_asymkv.__all__) <= set(dir(hf_asymkv))
+    with pytest.raises(AttributeError, match="no attribute 'KEY_FORMAT'.*public names"):
+        hf_asymkv.KEY_FORMAT

@@ -1,14 +1,67 @@
-"""The demo's table: ratios against the first (full-precision) row, answers shown whole."""
+"""The demo's numbers: KV bytes in the model's dtype beside the bf16 figure, named as such; decode ms/token
+as the median of timed steps after warm-up, or nothing."""
 
-from hf_asymkv.evals.demo import DemoRow, format_demo
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_asymkv import AsymKVCache
+from hf_asymkv.bench.memory import cache_nbytes
+from hf_asymkv.evals.demo import WARMUP_STEPS, DemoRow, StepClock, bf16_bytes, format_demo
+
+INFO = {"prompt_tokens": 3112, "expected": "3471", "depth": 0.35, "key": "glass door", "dtype": "float32"}
 
 
-def test_format_demo_ratio_answer_and_dtype_note():
-    rows = [DemoRow("DynamicCache", "The code is 3471.", True, 4 * 2**20, 7.0),
-            DemoRow("AsymKVCache", "The code is 3471.", True, 2**20, 7.5)]
-    info = {"prompt_tokens": 3112, "expected": "3471", "depth": 0.35, "key": "glass door", "dtype": "float32"}
-    text = format_demo(rows, info)
+def _rows():
+    return [DemoRow("DynamicCache", "The code is 3471.", True, 4 * 2**20, 2 * 2**20, 12.0, 9),
+            DemoRow("AsymKVCache", "The code is 3471.", True, 2**20, 2**19 + 2**18, None, 1)]
+
+
+def test_format_demo_shows_model_dtype_and_bf16_side_by_side():
+    text = format_demo(_rows(), INFO)
     assert "3112 tokens" in text and "(3471) sits 35% into the document" in text
-    ours = next(line for line in text.splitlines() if line.startswith("AsymKVCache"))
-    assert "4.00" in ours and "yes" in ours and "The code is 3471." in ours
-    assert "model dtype float32" in text
+    header = text.splitlines()[1]
+    assert "KV MiB float32" in header and "KV MiB bf16" in header and "decode ms/token" in header
+    ours = next(line for line in text.splitlines() if line.startswith("AsymKVCache")).split()
+    assert ours[1:5] == ["1.00", "4.00", "0.75", "2.67"]  # fp32 MiB, x smaller; bf16 MiB, x smaller
+    assert ours[5] == "n/a" and "yes" in ours and "3471." in ours  # too few steps: no timing
+    assert "12.0" in next(line for line in text.splitlines() if line.startswith("DynamicCache"))
+    assert f"after {WARMUP_STEPS} warm-up steps" in text and "the README's comparison" in text
+
+
+def test_format_demo_on_a_bf16_model_shows_one_set():
+    text = format_demo(_rows(), {**INFO, "dtype": "bfloat16"})
+    assert text.splitlines()[1].count("KV MiB") == 1 and "KV MiB bfloat16" in text
+
+
+def test_step_clock_median_after_warmup():
+    clock = StepClock()
+    # prompt, first token (prefill), then decode steps: two slow warm-up gaps, then 10, 30, 20 ms
+    clock.stamps = [0.0, 1.0, 1.5, 1.9, 1.91, 1.94, 1.96]
+    ms, steps = clock.decode_ms()
+    assert steps == 3 and ms == pytest.approx(20.0)
+    clock.stamps = clock.stamps[:-1]
+    assert clock.decode_ms() == (None, 2)
+
+
+@pytest.mark.parametrize("make", [lambda c: DynamicCache(config=c), lambda c: AsymKVCache(c, residual_length=8,
+                                                                                          key_block_size=8)],
+                         ids=["dynamic", "asymkv"])
+def test_bf16_figure_is_what_a_bf16_model_holds(llama, prompt, make):
+    """Computed from the fp32 run, the bf16 figure equals the bytes the same cache holds on a bf16 copy."""
+    caches = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
+        caches[dtype] = make(model.config)
+        model.generate(prompt, cache=caches[dtype], max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    fp32 = caches[torch.float32]
+    assert bf16_bytes(fp32, cache_nbytes(fp32), 4) == cache_nbytes(caches[torch.bfloat16])
+
+
+def test_step_clock_sees_every_generated_token(llama, prompt):
+    clock = StepClock()
+    llama.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, streamer=clock)
+    assert len(clock.stamps) == 1 + 8  # the prompt, then one stamp per token
+    assert clock.decode_ms() == (pytest.approx(clock.decode_ms()[0]), 8 - 1 - WARMUP_STEPS)

@@ -52,6 +52,8 @@ def test_cli_eval_synthetic_writes_json_and_table(tmp_path, capsys):
 def test_cli_eval_synthetic_rejects_zero_seeds(tmp_path, capsys):
     from hf_asymkv.cli import main
 
-    assert main(["eval", "synthetic", "--seeds", "0", "--out", str(tmp_path)]) == 2
-    assert "--seeds must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # refused while parsing: nothing runs
+        main(["eval", "synthetic", "--seeds", "0", "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert "argument --seeds: must be >= 1, got 0" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
