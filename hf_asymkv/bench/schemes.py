@@ -1,8 +1,10 @@
 """Named cache schemes, so that every benchmark and evaluation compares the same things by the same names.
 
 Each scheme is a factory ``config -> Cache``. transformers' own caches sit beside ours: ``dynamic`` (full
-precision), ``hf-quanto-int4`` (`QuantizedCache` with optimum-quanto, KIVI-style, re-quantizes its history
-at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill).
+precision), ``hf-quanto-int4``/``hf-quanto-int2`` (`QuantizedCache` with optimum-quanto, re-quantizes its
+history at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill). The
+peers' formats (vLLM, llama.cpp, KIVI), emulated in :mod:`.peers`, are registered under their names too, and
+``preset:<name>`` for every entry of ``hf_asymkv.PRESETS`` when the package defines it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 
 from ..core.attention import ATTN_IMPLEMENTATION, register
 from ..core.cache import AsymKVCache
+from .peers import PEERS, make_peer_cache
 
 __all__ = ["ATTENTION", "SCHEMES", "check_scheme", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
 
@@ -23,8 +26,13 @@ Factory = Callable[[PreTrainedConfig], Cache]
 SCHEMES: dict[str, tuple[str, Factory]] = {
     "dynamic": ("full precision DynamicCache", lambda c: DynamicCache(config=c)),
     "hf-quanto-int4": (
-        "transformers QuantizedCache, optimum-quanto int4 (K and V per-channel groups of 64, window 128)",
+        "transformers QuantizedCache, optimum-quanto int4 (axis 0: K and V both in groups of 64 consecutive "
+        "head_dim values of one token, i.e. per token; window 128)",
         lambda c: QuantizedCache("quanto", c, nbits=4),
+    ),
+    "hf-quanto-int2": (
+        "transformers QuantizedCache, optimum-quanto int2 (per-token groups of 64 for K and V, window 128)",
+        lambda c: QuantizedCache("quanto", c, nbits=2),
     ),
     "hf-fp8": ("transformers QuantizedCache fp8 (per-tensor scale frozen at prefill)", lambda c: QuantizedCache("fp8", c)),
     "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", lambda c: AsymKVCache(c)),
@@ -33,6 +41,8 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
         lambda c: _fused_cache(c),
     ),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", lambda c: AsymKVCache(c, key_format="fp8_e4m3")),
+    "asymkv-v2": ("ours with V int2 per token", lambda c: AsymKVCache(c, value_bits=2)),
+    "asymkv-v8": ("ours with V int8 per token", lambda c: AsymKVCache(c, value_bits=8)),
     "asymkv-sinks4": ("ours with 4 exact sink tokens", lambda c: AsymKVCache(c, sink_tokens=4)),
     "asymkv-w32": ("ours with a 32-token exact window", lambda c: AsymKVCache(c, residual_length=32)),
     "asymkv-w512": ("ours with a 512-token exact window", lambda c: AsymKVCache(c, residual_length=512)),
@@ -47,6 +57,23 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
 }
 
+
+SCHEMES.update({name: (f"peer: {fmt.description}", lambda c, name=name: make_peer_cache(name, c))
+                for name, fmt in PEERS.items()})
+
+
+def _preset_schemes() -> dict[str, tuple[str, Factory]]:
+    """``preset:<name>`` for every entry of ``hf_asymkv.PRESETS`` (name -> AsymKVConfig or settings), if any."""
+    import hf_asymkv
+
+    out = {}
+    for name, preset in getattr(hf_asymkv, "PRESETS", {}).items():
+        settings = preset.settings() if hasattr(preset, "settings") else dict(preset)
+        out[f"preset:{name}"] = (f"our preset {name!r}", lambda c, s=settings: AsymKVCache(c, **s))
+    return out
+
+
+SCHEMES.update(_preset_schemes())
 
 # Schemes that need the model's attention implementation switched while they run.
 ATTENTION = {"asymkv-fused": ATTN_IMPLEMENTATION}
