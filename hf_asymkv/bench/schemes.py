@@ -1,8 +1,10 @@
 """Named cache schemes, so that every benchmark and evaluation compares the same things by the same names.
 
 Each scheme is a factory ``config -> Cache``. transformers' own caches sit beside ours: ``dynamic`` (full
-precision), ``hf-quanto-int4`` (`QuantizedCache` with optimum-quanto, KIVI-style, re-quantizes its history
-at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill).
+precision), ``hf-quanto-int4``/``hf-quanto-int2`` (`QuantizedCache` with optimum-quanto, re-quantizes its
+history at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill). The
+peers' formats (vLLM, llama.cpp, KIVI), emulated in :mod:`.peers`, are registered under their names too, and
+``preset:<name>`` for every entry of ``hf_asymkv.PRESETS`` when the package defines it.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ def _asymkv(**settings) -> Factory:
 SCHEMES: dict[str, tuple[str, Factory]] = {
     "dynamic": ("full precision DynamicCache", _dynamic),
     "hf-quanto-int4": (
-        "transformers QuantizedCache, optimum-quanto int4 (K and V per-channel groups of 64, window 128)",
+        "transformers QuantizedCache, optimum-quanto int4 (axis 0: K and V both in groups of 64 consecutive "
+        "head_dim values of one token, i.e. per token; window 128)",
         _quantized("quanto", nbits=4),
+    ),
+    "hf-quanto-int2": (
+        "transformers QuantizedCache, optimum-quanto int2 (per-token groups of 64 for K and V, window 128)",
+        _quantized("quanto", nbits=2),
     ),
     "hf-fp8": ("transformers QuantizedCache fp8 (per-tensor scale frozen at prefill)", _quantized("fp8")),
     "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", _asymkv()),
@@ -57,6 +64,8 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
         lambda c: _fused_cache(c),
     ),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", _asymkv(key_format="fp8_e4m3")),
+    "asymkv-v2": ("ours with V int2 per token", _asymkv(value_bits=2)),
+    "asymkv-v8": ("ours with V int8 per token", _asymkv(value_bits=8)),
     "asymkv-sinks4": ("ours with 4 exact sink tokens", _asymkv(sink_tokens=4)),
     # the sinks ablation (README, Evidence): at 4096 tokens 4 sinks shift the block boundaries so the window holds
     # 252 tokens; these two separate the sinks (same 128 exact tokens as the default) from the larger window.
@@ -78,6 +87,33 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
 }
 
+
+# The peers' emulations (hf_asymkv.bench.peers.PEERS, which a test holds equal to this list), named here so
+# that the CLI can list and check names without importing torch.
+PEER_SCHEMES = {
+    "vllm-int8-pth": "vLLM int8_per_token_head",
+    "vllm-int4-pth": "vLLM int4_per_token_head (randomized Hadamard)",
+    "vllm-tq-k8v4": "vLLM turboquant_k8v4",
+    "vllm-fp8-tensor": "vLLM fp8_e4m3, per-tensor scales from the first forward",
+    "llama-q8_0": "llama.cpp q8_0 cache",
+    "llama-q4_0": "llama.cpp q4_0 cache",
+    "llama-q8_0-rot": "llama.cpp q8_0 cache with the Hadamard rotation",
+    "llama-q4_0-rot": "llama.cpp q4_0 cache with the Hadamard rotation",
+    "kivi-2": "KIVI-2 (2-bit, K per channel / V per token, groups of 32, window 128)",
+    "kivi-4": "KIVI-4",
+}
+
+
+def _peer(name: str) -> Factory:
+    def build(config: PreTrainedConfig) -> Cache:
+        from .peers import make_peer_cache
+
+        return make_peer_cache(name, config)
+    return build
+
+
+SCHEMES.update({name: (f"peer: {label} (emulated, see bench/peers.py)", _peer(name))
+                for name, label in PEER_SCHEMES.items()})
 
 # Schemes that need the model's attention implementation switched while they run.
 ATTENTION = {"asymkv-fused": "asymkv_sdpa"}  # hf_asymkv.core.attention.ATTN_IMPLEMENTATION (a test holds them equal)

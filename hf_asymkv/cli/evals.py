@@ -1,4 +1,4 @@
-"""`hf-asymkv eval synthetic | needle | attention | ppl | report`: arguments, checks before the model loads, output.
+"""`hf-asymkv eval synthetic | needle | attention | ppl | frontier | report`: arguments, checks before the model loads, output.
 
 Every command prints its markdown table; with ``--out DIR`` it also writes ``<name>.json`` (rows, summary,
 the exact command, model, versions, seeds, threads), ``<name>.md`` and its PNG figure, each atomically.
@@ -175,6 +175,42 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_frontier(args) -> int:
+    from ..evals.frontier import (DEFAULT_SCHEMES as FRONTIER_SCHEMES, frontier_markdown, pareto_check,
+                                  pareto_markdown, plot_frontier, run_frontier)
+    from ..evals.needle import TASKS
+    from ..evals.report import write_json
+
+    args.schemes = args.schemes or ",".join(FRONTIER_SCHEMES)
+    tasks = [t for t in args.tasks.split(",") if t]
+    if bad := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"--tasks: unknown task(s) {bad}; known tasks: {list(TASKS)}")
+    if bad := [d for d in args.depths if not 0.0 <= d <= 1.0]:
+        raise ValueError(f"--depths must be in [0, 1], got {bad}")
+    if args.attention_length < 0:
+        raise ValueError(f"--attention-length must be >= 0 (0: not measured), got {args.attention_length}")
+    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False)
+    start = time.perf_counter()
+    rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples,
+                        args.attention_length, args.bytes_length, args.seed, show_progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    checks = pareto_check(rows)
+    prompts = len(args.lengths) * len(args.depths) * len(tasks) * args.samples
+    table = frontier_markdown(rows, prompts, skipped) + "\n\n" + pareto_markdown(checks)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        meta = _meta(args, model, seconds, lengths=args.lengths, depths=args.depths, tasks=tasks,
+                     samples=args.samples, attention_length=args.attention_length,
+                     bytes_length=args.bytes_length or max(args.lengths), seed=args.seed)
+        write_json(out / "frontier.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
+                                           "rows": [asdict(r) for r in rows], "pareto": checks})
+        _write_md(out / "frontier.md", meta, table)
+        plot_frontier(rows, f"{args.model.split('/')[-1]}: damage per byte, ours vs peers ({prompts} needle "
+                      f"prompts at {','.join(map(str, args.lengths))} tokens)", out / "frontier.png")
+    return 0
+
+
 def _cmd_eval_synthetic(args) -> int:
     import json
     from dataclasses import asdict
@@ -247,6 +283,24 @@ def add_parser(sub) -> None:
                    help="tokens prefilled before scoring, below --length (default length/2)")
     e.add_argument("--chunk", type=at_least(1), default=64, help="tokens per scoring call")
     e.set_defaults(func=_cmd_ppl)
+
+    e = evals.add_parser("frontier", help="bytes vs damage of our settings and every peer format, Pareto check")
+    add_model_args(e)
+    e.add_argument("--schemes", default="", help="comma-separated scheme names (default: our settings, presets, "
+                   "int8-per-tensor, every peer emulation and transformers' QuantizedCache; dynamic always first)")
+    e.add_argument("--lengths", type=int_list, default=[2048, 4096], help="needle token budgets (default 2048,4096)")
+    e.add_argument("--depths", type=float_list, default=[0.1, 0.5, 0.9], help="needle depths (default 0.1,0.5,0.9)")
+    e.add_argument("--tasks", default="multikey", help="comma-separated needle tasks (default multikey)")
+    e.add_argument("--samples", type=int, default=1, help="prompts per (length, depth, task) cell (default 1)")
+    e.add_argument("--attention-length", type=int, default=2048,
+                   help="prompt length for per-layer attention KL (default 2048; 0 skips it)")
+    e.add_argument("--bytes-length", type=int, default=None, help="tokens for the byte count (default: the "
+                   "longest --lengths)")
+    e.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--out", default=None, help="folder for frontier.json, frontier.md and frontier.png")
+    e.set_defaults(func=_cmd_frontier)
 
     e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")
     e.add_argument("folder", help="an --out folder holding needle.json / attention.json / ppl.json")

@@ -1,0 +1,243 @@
+"""The accuracy-per-byte frontier: every one of our settings and every peer format, on the same prompts.
+
+For each scheme we record
+
+- **bytes** for a ``bytes_length``-token prefill of the model's shapes: ours and transformers' caches by
+  replaying bf16 K/V of those shapes into a real cache and counting its tensors (capacity included, as
+  ``memory_footprint()`` does); the peer emulations by :meth:`hf_asymkv.bench.peers.PeerFormat.engine_nbytes`
+  (what the peer's engine stores). ``x_smaller`` = bf16 ``DynamicCache`` bytes / the scheme's bytes.
+- **accuracy**: needle retrieval (:func:`.retrieval.run_needle`), prompts lost/gained against full precision,
+  and the mean KL of the tail's next-token distributions against full precision (nats);
+- **attention damage**: per-layer attention KL vs full precision, averaged over layers, and top-8 overlap
+  (:func:`.attention.run_attention`), when ``attention_length`` > 0.
+
+The Pareto check: a peer *passes* (is matched) when one of our settings spends no more bytes
+(``x_smaller`` at least the peer's) and is at least as accurate on every measured metric (needle prompts lost,
+tail KL, attention KL). A peer no setting of ours matches is a finding, reported as such.
+
+Our settings are named ``AsymKVConfig`` variations registered as schemes (:data:`OUR_SCHEMES`, plus
+``preset:<name>`` for every entry of ``hf_asymkv.PRESETS`` when it exists).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..bench.memory import cache_nbytes
+from ..bench.peers import PEERS
+from ..bench.schemes import SCHEMES, make_cache
+from .attention import run_attention
+from .report import flips
+from .retrieval import run_needle
+
+__all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierRow", "OUR_SCHEMES", "frontier_markdown", "kind_of",
+           "pareto_check", "pareto_markdown", "plot_frontier", "run_frontier", "scheme_nbytes"]
+
+OUR_SCHEMES = ("asymkv", "asymkv-fp8", "asymkv-v2", "asymkv-v8", "asymkv-w32", "asymkv-w512", "asymkv-sinks4")
+"""Our settings today (the default and single-field variations); presets join as ``preset:<name>``."""
+BASELINES = ("int8-per-tensor", "k4v4-sym", "k4v8-inverted")
+"""Our code path with other people's choices: shown, but neither ours nor a peer in the Pareto check."""
+TRANSFORMERS_PEERS = ("hf-quanto-int4", "hf-quanto-int2", "hf-fp8")
+
+
+def _presets() -> list[str]:
+    return [name for name in SCHEMES if name.startswith("preset:")]
+
+
+DEFAULT_SCHEMES = (*OUR_SCHEMES, *_presets(), "int8-per-tensor", *PEERS, *TRANSFORMERS_PEERS)
+
+
+def kind_of(name: str) -> str:
+    """``"reference"``, ``"ours"``, ``"baseline"`` or ``"peer"``."""
+    if name == "dynamic":
+        return "reference"
+    if name in BASELINES:
+        return "baseline"
+    if name in PEERS or name.startswith("hf-"):
+        return "peer"
+    return "ours"
+
+
+@dataclass
+class FrontierRow:
+    """One scheme's bytes and accuracy on the frontier prompts."""
+
+    scheme: str
+    kind: str
+    nbytes: int
+    x_smaller: float  # bf16 DynamicCache bytes / nbytes
+    needle_accuracy: float
+    lost: int
+    gained: int
+    tail_kl: float  # mean KL(full || scheme) of the needle tails' next-token distributions, nats
+    attention_kl: float = float("nan")  # per-layer attention KL vs full precision, mean over layers
+    attention_top8: float = float("nan")
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def scheme_nbytes(name: str, config, tokens: int, seed: int = 0) -> int:
+    """Bytes ``name`` holds after a ``tokens``-token prefill of ``config``'s shapes (batch 1, bf16 K/V).
+
+    Peers: their engine's bytes. Everything else: a real cache fed random bf16 K/V of those shapes, counted
+    tensor by tensor (the bytes depend on shapes and dtype, not on the values).
+    """
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if name in PEERS:
+        return PEERS[name].engine_nbytes(tokens, text.num_hidden_layers, heads, head_dim)
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_cache(name, config)
+    for i in range(text.num_hidden_layers):
+        k, v = (torch.randn(1, heads, tokens, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+        cache.update(k, v, i)
+    return cache_nbytes(cache)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depths: list[float], tasks: list[str],
+                 samples: int = 1, attention_length: int = 0, bytes_length: int | None = None, seed: int = 0,
+                 show_progress: bool = True) -> list[FrontierRow]:
+    """Bytes, needle accuracy and damage of every scheme (``schemes[0]`` must be ``dynamic``).
+
+    Args:
+        lengths, depths, tasks, samples: the needle grid (see :func:`.retrieval.run_needle`).
+        attention_length: prompt length of the attention-KL measurement (0: not measured).
+        bytes_length: tokens for the byte count (default: the longest needle length).
+    """
+    rows = run_needle(model, tokenizer, schemes, lengths, depths, tasks, samples, seed=seed,
+                      show_progress=show_progress)
+    flipped = flips([asdict(r) for r in rows])
+    attention = {}
+    if attention_length:
+        attention = {r.scheme: r for r in run_attention(model, tokenizer, schemes, attention_length, samples=1,
+                                                        queries=16, seed=seed, show_progress=show_progress)}
+    tokens = bytes_length or max(lengths)
+    nbytes = {name: scheme_nbytes(name, model.config, tokens, seed) for name in schemes}
+    per_scheme = defaultdict(list)
+    for r in rows:
+        per_scheme[r.scheme].append(r)
+    out = []
+    for name in schemes:
+        mine = per_scheme[name]
+        att = attention.get(name)
+        out.append(FrontierRow(
+            name, kind_of(name), nbytes[name], nbytes["dynamic"] / nbytes[name],
+            _mean([float(r.correct) for r in mine]), *flipped[name], _mean([r.tail_kl for r in mine]),
+            att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
+            SCHEMES[name][0]))
+    return out
+
+
+def _metrics(row: FrontierRow) -> dict[str, float]:
+    """Damage metrics, lower is better, that were measured (NaN ones are left out)."""
+    values = {"needle lost": row.lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl}
+    return {k: v for k, v in values.items() if not math.isnan(v)}
+
+
+def pareto_check(rows: list[FrontierRow]) -> list[dict]:
+    """Per peer: the ours that spend no more bytes and match it on every metric (``witness``), or why none does.
+
+    Returns:
+        ``[{"peer", "x_smaller", "passed", "witness", "metrics": {metric: {"peer", "best_ours", "ok"}}}]``,
+        where ``best_ours`` is the best value among our settings with ``x_smaller >= the peer's``.
+    """
+    ours = [r for r in rows if r.kind == "ours"]
+    out = []
+    for peer in (r for r in rows if r.kind == "peer"):
+        cheaper = [o for o in ours if o.x_smaller >= peer.x_smaller * (1 - 1e-9)]
+        pm = _metrics(peer)
+        witness = next((o.scheme for o in sorted(cheaper, key=lambda o: o.tail_kl)
+                        if all(_metrics(o).get(m, math.inf) <= v for m, v in pm.items())), None)
+        metrics = {}
+        for m, v in pm.items():
+            best = min((_metrics(o).get(m, math.inf) for o in cheaper), default=float("nan"))
+            metrics[m] = {"peer": v, "best_ours": best, "ok": not math.isnan(best) and best <= v}
+        out.append({"peer": peer.scheme, "x_smaller": peer.x_smaller, "passed": witness is not None,
+                    "witness": witness, "metrics": metrics})
+    return out
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return "-" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}g}"
+
+
+def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, str] | None = None) -> str:
+    """One row per scheme, sorted by compression."""
+    lines = ["| scheme | kind | KV bytes | x smaller than bf16 | needle acc | lost / gained | tail KL | "
+             "attention KL | top-8 overlap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: r.x_smaller):
+        lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {100 * r.needle_accuracy:.0f}% | "
+                     f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | {_fmt(r.attention_top8, 3)} |")
+    text = f"Frontier: bytes and damage per scheme ({prompts} needle prompts)\n\n" + "\n".join(lines)
+    if skipped:
+        text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())
+    return text
+
+
+def pareto_markdown(checks: list[dict]) -> str:
+    """Pass/fail per peer: is one of our settings at least as small and at least as accurate?"""
+    lines = ["| peer | x smaller | result | our witness | per metric: peer vs best of ours at >= its compression |",
+             "|---|---:|---|---|---|"]
+    for c in sorted(checks, key=lambda c: c["x_smaller"]):
+        detail = "; ".join(f"{m}: {_fmt(d['peer'], 3)} vs {_fmt(d['best_ours'], 3)} {'ok' if d['ok'] else 'WORSE'}"
+                           for m, d in c["metrics"].items())
+        lines.append(f"| {c['peer']} | {c['x_smaller']:.2f} | {'pass' if c['passed'] else 'FAIL'} | "
+                     f"{c['witness'] or '-'} | {detail} |")
+    passed = sum(c["passed"] for c in checks)
+    return (f"Pareto check: {passed} of {len(checks)} peers matched by a setting of ours that spends no more bytes "
+            "and is at least as accurate on every metric\n\n" + "\n".join(lines))
+
+
+def _pareto_line(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes (x: more compression is better, y: lower is better)."""
+    front = []
+    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
+        if not front or y < front[-1][1]:
+            front.append((x, y))
+    return sorted(front)
+
+
+def plot_frontier(rows: list[FrontierRow], title: str, path):
+    """Two panels against compression (x): needle prompts lost (y) and damage (attention KL when measured,
+    else tail KL; log y). Ours as a Pareto line with its points, peers as labelled points."""
+    from ..plots import require_matplotlib, save_figure
+
+    plt = require_matplotlib()
+    measured = not all(math.isnan(r.attention_kl) for r in rows)
+    damage = (lambda r: r.attention_kl) if measured else (lambda r: r.tail_kl)
+    panels = [("needle prompts lost vs full precision", lambda r: r.lost, False),
+              (("attention KL" if measured else "tail next-token KL") + " vs full precision (nats)", damage, True)]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    styles = {"ours": ("tab:blue", "o"), "peer": ("tab:red", "s"), "baseline": ("tab:gray", "^")}
+    for ax, (label, metric, log) in zip(axes, panels):
+        for kind, (color, marker) in styles.items():
+            pts = [(r.x_smaller, metric(r), r.scheme) for r in rows if r.kind == kind]
+            if log:
+                pts = [(x, max(y, 1e-7), s) for x, y, s in pts]
+            if not pts:
+                continue
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, marker=marker, label=kind, zorder=3)
+            for x, y, s in pts:
+                ax.annotate(s, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=color)
+            if kind == "ours":
+                front = _pareto_line([(x, y) for x, y, _ in pts])
+                ax.step([p[0] for p in front], [p[1] for p in front], where="post", c=color, alpha=0.6,
+                        label="ours: Pareto line")
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("x smaller than a bf16 DynamicCache (bytes as stored, higher is better)")
+        ax.set_ylabel(label + " (lower is better)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
