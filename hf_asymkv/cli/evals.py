@@ -178,18 +178,12 @@ def _cmd_report(args) -> int:
 def _cmd_frontier(args) -> int:
     from ..evals.frontier import (DEFAULT_SCHEMES as FRONTIER_SCHEMES, frontier_markdown, pareto_check,
                                   pareto_markdown, plot_frontier, run_frontier)
-    from ..evals.needle import TASKS
     from ..evals.report import write_json
 
-    args.schemes = args.schemes or ",".join(FRONTIER_SCHEMES)
-    tasks = [t for t in args.tasks.split(",") if t]
-    if bad := [t for t in tasks if t not in TASKS]:
-        raise ValueError(f"--tasks: unknown task(s) {bad}; known tasks: {list(TASKS)}")
-    if bad := [d for d in args.depths if not 0.0 <= d <= 1.0]:
-        raise ValueError(f"--depths must be in [0, 1], got {bad}")
-    if args.attention_length < 0:
-        raise ValueError(f"--attention-length must be >= 0 (0: not measured), got {args.attention_length}")
-    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False)
+    args.schemes = args.schemes or list(FRONTIER_SCHEMES)
+    tasks = args.tasks
+    lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else []}
+    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False, lengths)
     start = time.perf_counter()
     rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples,
                         args.attention_length, args.bytes_length, args.seed, show_progress=not args.quiet)
@@ -286,20 +280,23 @@ def add_parser(sub) -> None:
 
     e = evals.add_parser("frontier", help="bytes vs damage of our settings and every peer format, Pareto check")
     add_model_args(e)
-    e.add_argument("--schemes", default="", help="comma-separated scheme names (default: our settings, presets, "
-                   "int8-per-tensor, every peer emulation and transformers' QuantizedCache; dynamic always first)")
-    e.add_argument("--lengths", type=int_list, default=[2048, 4096], help="needle token budgets (default 2048,4096)")
-    e.add_argument("--depths", type=float_list, default=[0.1, 0.5, 0.9], help="needle depths (default 0.1,0.5,0.9)")
-    e.add_argument("--tasks", default="multikey", help="comma-separated needle tasks (default multikey)")
-    e.add_argument("--samples", type=int, default=1, help="prompts per (length, depth, task) cell (default 1)")
-    e.add_argument("--attention-length", type=int, default=2048,
-                   help="prompt length for per-layer attention KL (default 2048; 0 skips it)")
-    e.add_argument("--bytes-length", type=int, default=None, help="tokens for the byte count (default: the "
-                   "longest --lengths)")
-    e.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    e.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"), default=None,
+                   help=f"comma-separated scheme names, from: {', '.join(scheme_names())} (default: our settings, "
+                   "presets, int8-per-tensor, every peer emulation and transformers' QuantizedCache; dynamic always "
+                   "first)")
+    e.add_argument("--lengths", type=int_list, default="2048,4096", help="needle token budgets")
+    e.add_argument("--depths", type=fraction_list, default="0.1,0.5,0.9", help="needle depths in [0, 1]")
+    e.add_argument("--tasks", type=name_list(TASKS, "task"), default="multikey",
+                   help=f"comma-separated needle tasks, from: {', '.join(TASKS)}")
+    e.add_argument("--samples", type=at_least(1), default=1, help="prompts per (length, depth, task) cell")
+    e.add_argument("--attention-length", type=at_least(0), default=2048,
+                   help="prompt length for per-layer attention KL (0 skips it)")
+    e.add_argument("--bytes-length", type=at_least(1), default=None,
+                   help="tokens for the byte count (default: the longest --lengths)")
+    e.add_argument("--seed", type=int, default=0, help="prompt seed")
+    add_threads_arg(e)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
-    e.add_argument("--out", default=None, help="folder for frontier.json, frontier.md and frontier.png")
+    e.add_argument("--out", type=folder_path, default=None, help="folder for frontier.json, frontier.md and frontier.png")
     e.set_defaults(func=_cmd_frontier)
 
     e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")

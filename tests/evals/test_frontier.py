@@ -48,7 +48,7 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
 
 def test_bad_scheme_is_refused_with_the_list(tiny, capsys):
     assert main(["eval", "frontier", "--model", str(tiny), "--schemes", "vllm-int3", "--quiet"]) == 2
-    assert "known schemes" in capsys.readouterr().err
+    assert "known cache schemes" in capsys.readouterr().err
 
 
 def _row(name, kind, x, lost, kl):
