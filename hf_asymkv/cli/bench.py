@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..bench.schemes import ATTENTION, scheme_names
+from ..bench.schemes import ATTENTION, PEER_SCHEMES, scheme_names
 from .args import (DTYPES, add_model_args, add_threads_arg, at_least, command_line, file_path, folder_path, int_list,
                    load_model_from_args, name_list, set_threads, torch_dtype)
 
@@ -73,8 +73,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--kv-dtype", default="bfloat16", choices=DTYPES,
                    help=f"dtype the caches store, one of {', '.join(DTYPES)} (default bfloat16)")
     p.add_argument("--lengths", type=int_list, default="4096", help="prefill lengths, e.g. 1024,4096")
-    # A scheme that needs its own attention implementation measures nothing different here (same storage).
-    memory_schemes = [s for s in scheme_names() if s not in ATTENTION]
+    # A scheme that needs its own attention implementation measures nothing different here (same storage); the
+    # peers' emulations hold dequantized tensors, so their real bytes are not their engine's (eval frontier counts
+    # those with PeerFormat.engine_nbytes).
+    memory_schemes = [s for s in scheme_names() if s not in ATTENTION and s not in PEER_SCHEMES]
     p.add_argument("--schemes", type=name_list(memory_schemes, "cache scheme"),
                    default="dynamic,asymkv,hf-quanto-int4,hf-fp8",
                    help=f"comma-separated scheme names, from: {', '.join(memory_schemes)}")

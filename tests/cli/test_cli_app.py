@@ -117,7 +117,7 @@ def test_help_lists_the_valid_names(capsys, command, flag, names):
 
 BAD = [
     (["memory", "--schemes", "bogus"], "argument --schemes: unknown cache scheme(s) ['bogus']; known cache "
-                                       "schemes: dynamic, hf-quanto-int4, hf-fp8, asymkv,"),
+                                       "schemes: dynamic, hf-quanto-int4, hf-quanto-int2, hf-fp8, asymkv,"),
     (["memory", "--schemes", "asymkv-fused"], "unknown cache scheme(s) ['asymkv-fused']"),
     (["memory", "--schemes", "asymkv,asymkv"], "cache schemes repeated in 'asymkv,asymkv'"),
     (["memory", "--decode-tokens", "-1"], "argument --decode-tokens: must be >= 0, got -1"),
@@ -190,3 +190,10 @@ def test_values_checked_together_fail_before_the_model(no_model, capsys, argv, m
     assert main([*argv, "--out", "out"]) == 2
     assert message in capsys.readouterr().err
     assert list(no_model.iterdir()) == []
+
+
+def test_memory_refuses_peer_emulations(no_model, capsys):
+    """`memory` counts real tensor bytes: a peer's emulation holds dequantized tensors, so it is not offered."""
+    with pytest.raises(SystemExit):
+        main(["memory", "--schemes", "kivi-2", "--out", "out"])
+    assert "unknown cache scheme(s) ['kivi-2']" in capsys.readouterr().err

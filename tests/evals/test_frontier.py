@@ -47,7 +47,9 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
 
 
 def test_bad_scheme_is_refused_with_the_list(tiny, capsys):
-    assert main(["eval", "frontier", "--model", str(tiny), "--schemes", "vllm-int3", "--quiet"]) == 2
+    with pytest.raises(SystemExit) as exit_info:  # refused while parsing, before the model loads
+        main(["eval", "frontier", "--model", str(tiny), "--schemes", "vllm-int3", "--quiet"])
+    assert exit_info.value.code == 2
     assert "known cache schemes" in capsys.readouterr().err
 
 
