@@ -6,6 +6,7 @@ Importing the package loads the core only (:mod:`hf_asymkv.core`); the tools liv
 
 from .core.attention import register as register_attention
 from .core.cache import AsymKVCache
+from .core.compat import cache_kwargs
 from .core.config import KEY_FORMATS, OVERFLOW_POLICIES, VALUE_BITS, AsymKVConfig
 from .core.layer import AsymKVLayer
 from .core.quant import QuantSpec
@@ -22,5 +23,6 @@ __all__ = [
     "KVScales",
     "QuantSpec",
     "__version__",
+    "cache_kwargs",
     "register_attention",
 ]

@@ -14,9 +14,10 @@ from collections import Counter
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicCache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import ATTN_IMPLEMENTATION
+from .compat import cache_layer_types
 from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
 from .layer import AsymKVLayer
 from .scales import KVScales
@@ -46,10 +47,11 @@ def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedCo
 def layer_types(config: PreTrainedConfig) -> list[str]:
     """Per-layer cache type of a (text) config, exactly as transformers' own `DynamicCache` sees it.
 
-    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"``; missing ``layer_types`` are
-    inferred per layer (``get_layer_types_and_kwargs``, the resolution `DynamicCache` itself uses).
+    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"`` (transformers 5.23+; older
+    releases leave KV-sharing layers out); missing ``layer_types`` are inferred per layer, the resolution
+    `DynamicCache` itself uses (:func:`~hf_asymkv.core.compat.cache_layer_types`).
     """
-    return list(get_layer_types_and_kwargs(config)[0])
+    return cache_layer_types(config)
 
 
 def kv_layer_indices(config: PreTrainedConfig) -> list[int]:
@@ -79,8 +81,11 @@ class AsymKVCache(Cache):
     Example::
 
         cache = AsymKVCache(model.config)
-        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+        out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)  # hf_asymkv.cache_kwargs
         cache.memory_footprint()["total"], cache.stats()["tokens_quantized"]
+
+    ``cache_kwargs(cache)`` is ``{"cache": cache}`` on transformers 5.24+ and ``{"past_key_values": cache}`` before
+    (:func:`hf_asymkv.core.compat.cache_kwargs`); on 5.24+ ``cache=cache`` may be written directly.
 
     When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
     the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
@@ -203,7 +208,7 @@ class AsymKVCache(Cache):
         Example::
 
             cache = AsymKVCache.from_pretrained("org/model-asymkv-scales", config=model.config)
-            out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+            out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)  # hf_asymkv.cache_kwargs
         """
         from .pretrained import load_published
 

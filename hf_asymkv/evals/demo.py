@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ..core.compat import cache_kwargs
 from ..core.cache import AsymKVCache
 from ..bench.memory import cache_nbytes
 from .tasks import make_needle_prompt, score_answer
@@ -42,7 +43,7 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
     for name, cache in (("DynamicCache (full precision)", DynamicCache(config=model.config)),
                         ("AsymKVCache (K int8/ch, V int4/tok)", AsymKVCache(model.config))):
         start = time.perf_counter()
-        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False)
         seconds = time.perf_counter() - start
         answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
         rows.append(DemoRow(name, answer, score_answer(answer, prompt.answer), cache_nbytes(cache), seconds))
