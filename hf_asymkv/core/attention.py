@@ -208,9 +208,14 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # SDPA has no logit soft-capping; transformers' sdpa refuses it from 5.21 but silently ignored it before, so it is
+    # refused here on every release rather than computing attention without the cap.
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support `softcap` (neither does `sdpa`); load the "
+                         "model with attn_implementation='eager' for soft-capped attention.")
     if isinstance(key, QuantizedKV):
         d = key.tail.shape[-1]
-        unsupported = (kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None
+        unsupported = (kwargs.get("sliding_window") is not None
                        or kwargs.get("s_aux") is not None or (dropout > 0 and module.training)
                        or not _foldable(key, d) or query.shape[2] > FUSED_MAX_QUERY_TOKENS)
         if key.codes.shape[2] and not unsupported:

@@ -17,7 +17,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import ATTN_IMPLEMENTATION
-from .compat import cache_layer_types
+from .compat import cache_layer_types, reset_layer
 from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
 from .layer import AsymKVLayer
 from .scales import KVScales
@@ -155,6 +155,12 @@ class AsymKVCache(Cache):
         if isinstance(layer, AsymKVLayer):
             layer.return_views = self.fused_attention
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reset(self) -> None:
+        """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:
+        :func:`~hf_asymkv.core.compat.reset_layer`)."""
+        for layer in self.layers:
+            reset_layer(layer)
 
     def activate_past_recording(self) -> None:
         """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see

@@ -10,6 +10,8 @@ deleting the shims whose range fell below it.
 - :func:`mask_query_length`: the argument of ``get_mask_sizes`` (``cache_position`` below 5.4).
 - :func:`crop_tokens_to_remove`: the argument of ``crop`` ("length to keep" below 5.14, a 0-d tensor in 5.14-5.17).
 - :func:`cache_layer_types`: per-layer cache types (``get_layer_types_and_kwargs`` exists from 5.14).
+- :data:`DYNAMIC_CACHE_RESET_EMPTIES`, :func:`reset_layer`: transformers' ``DynamicCache.reset()`` empties its
+  layers from 5.18 only; ``reset_layer`` empties them on every release.
 - :data:`DUMMY_LAYER_CLASSES`: transformers' placeholder layer for KV-less layers (from 5.23).
 - :data:`GENERATE_RECORDS_PAST`: whether ``generate`` calls ``activate_past_recording`` before assisted
   decoding (from 5.14), which makes deep rollbacks exact.
@@ -23,6 +25,8 @@ from packaging.version import Version
 
 __all__ = [
     "CACHE_KWARG",
+    "CROP_TAKES_LENGTH_TO_KEEP",
+    "DYNAMIC_CACHE_RESET_EMPTIES",
     "DUMMY_LAYER_CLASSES",
     "GENERATE_RECORDS_PAST",
     "TRANSFORMERS_VERSION",
@@ -31,6 +35,7 @@ __all__ = [
     "cache_layer_types",
     "crop_tokens_to_remove",
     "mask_query_length",
+    "reset_layer",
     "transformers_at_least",
 ]
 
@@ -88,11 +93,18 @@ def mask_query_length(query_length_or_positions: int | torch.Tensor) -> int:
     return int(query_length_or_positions)
 
 
+# Below 5.14 transformers' layers read a positive crop argument as the length to keep (generate() rolls back with
+# `crop(new_length - 1)`); 5.14 switched every caller to a negative count of tokens to remove, and from 5.17 layers
+# refuse a positive argument.
+CROP_TAKES_LENGTH_TO_KEEP: bool = not transformers_at_least(5, 14)
+
+
 def crop_tokens_to_remove(argument: int | torch.Tensor, seq_length: int) -> int:
     """The argument of ``Cache.crop`` as a number of tokens to remove (``<= 0``; positive means a bad call).
 
-    - transformers < 5.14: ``crop(max_length)``, the length to keep (``generate`` passes ``new_len - 1``), or a
-      negative number of tokens to remove;
+    - transformers < 5.14 (:data:`CROP_TAKES_LENGTH_TO_KEEP`): ``crop(max_length)``, a positive length to keep
+      (``generate`` passes ``new_len - 1``), or a negative number of tokens to remove; 0 keeps everything here
+      (no transformers caller asks for an empty cache that way);
     - 5.14-5.17: ``crop(-n)``, ``n`` sometimes a 0-d tensor (assisted decoding's rejected-draft count);
     - 5.18 and newer: ``crop(tokens_to_remove)`` with a plain ``int <= 0``.
 
@@ -101,9 +113,33 @@ def crop_tokens_to_remove(argument: int | torch.Tensor, seq_length: int) -> int:
         seq_length: the layer's current length (for the "length to keep" form).
     """
     n = int(argument)
-    if n >= 0 and not transformers_at_least(5, 14):
+    if n > 0 and CROP_TAKES_LENGTH_TO_KEEP:
         return min(0, n - seq_length)
     return n
+
+
+# DynamicCache.reset() before 5.18 zeroes its layers' tensors but keeps their length, so a reset DynamicCache
+# cannot be reused (generate() fails on it); from 5.18 it empties them. AsymKVCache.reset() empties on every release.
+DYNAMIC_CACHE_RESET_EMPTIES: bool = transformers_at_least(5, 18)
+
+
+def reset_layer(layer) -> None:
+    """``layer.reset()``, leaving transformers' dynamic layers (the sliding windows AsymKVCache keeps) empty.
+
+    Below 5.18 (:data:`DYNAMIC_CACHE_RESET_EMPTIES`) ``DynamicLayer.reset`` only zeroes its tensors, so the layer
+    still reports the old length and the next ``generate`` fails on a mask of the wrong size; here the layer is
+    then emptied as 5.18's ``DynamicLayer.reset`` does (tensors dropped, not initialized, length 0).
+    """
+    layer.reset()
+    if DYNAMIC_CACHE_RESET_EMPTIES:
+        return
+    from transformers.cache_utils import DynamicLayer
+
+    if isinstance(layer, DynamicLayer):
+        layer.keys = layer.values = None
+        layer.is_initialized = False
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = 0
 
 
 def cache_layer_types(config) -> list[str]:
@@ -119,10 +155,14 @@ def cache_layer_types(config) -> list[str]:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
         return list(get_layer_types_and_kwargs(config)[0])
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
-    kinds = {DynamicSlidingWindowLayer: "sliding_attention", DynamicLayer: "full_attention"}
-    return [kinds.get(type(layer), type(layer).__name__) for layer in DynamicCache(config=config).layers]
+        types = ["sliding_attention" if isinstance(layer, DynamicSlidingWindowLayer) else "full_attention"
+                 for layer in DynamicCache(config=config).layers]
+    shared = getattr(config, "num_kv_shared_layers", None)
+    return list(types[:-shared] if shared else types)
 
 
 def _dummy_layer_classes() -> tuple[type, ...]:

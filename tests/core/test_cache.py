@@ -23,7 +23,12 @@ from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_asymkv import cache_kwargs
-from hf_asymkv.core.compat import DUMMY_LAYER_CLASSES
+from hf_asymkv.core.compat import (
+    DUMMY_LAYER_CLASSES,
+    DYNAMIC_CACHE_RESET_EMPTIES,
+    GENERATE_RECORDS_PAST,
+    crop_tokens_to_remove,
+)
 from hf_asymkv import AsymKVCache, AsymKVLayer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -89,7 +94,7 @@ def _mode_assisted(model, make, ctx) -> Run:
     crop = cache.crop
 
     def recording_crop(n: int) -> None:
-        crops.append(n)
+        crops.append(crop_tokens_to_remove(n, cache.get_seq_length()))  # as tokens to remove on every release
         crop(n)
 
     cache.crop = recording_crop
@@ -204,6 +209,12 @@ def ctx(prompt, batch3, padded_batch, llama_assistant) -> dict:
     return {"prompt": prompt, "batch3": batch3, "padded_batch": padded_batch, "assistant": llama_assistant}
 
 
+def _skip_unsupported(model_name: str, mode: str) -> None:
+    if mode == "assisted" and model_name == "hybrid" and not GENERATE_RECORDS_PAST:
+        pytest.skip("transformers < 5.14 cannot roll back its own sliding-window layers once past the window "
+                    "(DynamicCache fails the same way)")
+
+
 _REFERENCE: dict = {}
 
 
@@ -211,7 +222,10 @@ def _reference(model_name: str, mode: str, model, ctx) -> Run:
     """The `DynamicCache` run of a scenario, computed once per (model, mode) for both regimes."""
     key = (model_name, mode)
     if key not in _REFERENCE:
-        _REFERENCE[key] = MODES[mode](model, lambda: DynamicCache(config=model.config), ctx)
+        run = MODES[mode]
+        if mode == "reset" and not DYNAMIC_CACHE_RESET_EMPTIES:
+            run = _mode_greedy  # a reset DynamicCache cannot be reused there; the reset run must equal a fresh one
+        _REFERENCE[key] = run(model, lambda: DynamicCache(config=model.config), ctx)
     return _REFERENCE[key]
 
 
@@ -263,6 +277,7 @@ def closeness(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, fl
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
 def test_exact_matches_dynamic_cache(request, model, mode, ctx):
     model_name = request.node.callspec.params["model"]
+    _skip_unsupported(model_name, mode)
     ref = _reference(model_name, mode, model, ctx)
     run = MODES[mode](model, lambda: AsymKVCache(model.config, **EXACT), ctx)
 
@@ -286,6 +301,7 @@ def test_exact_matches_dynamic_cache(request, model, mode, ctx):
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
 def test_small_window_runs_and_quantizes(request, model, mode, ctx):
     model_name = request.node.callspec.params["model"]
+    _skip_unsupported(model_name, mode)
     ref = _reference(model_name, mode, model, ctx)
     run = MODES[mode](model, lambda: AsymKVCache(model.config, **SMALL), ctx)
 
@@ -302,7 +318,8 @@ def test_small_window_runs_and_quantizes(request, model, mode, ctx):
         # quantized before its crop and no token is ever quantized twice (before the fix, 0-7 window tokens were
         # left and pulled-back tokens were re-quantized).
         assert any(n < -SMALL["residual_length"] for n in run.crops)
-        assert run.caches[0].stats()["requantized_tokens"] == 0
+        if GENERATE_RECORDS_PAST:  # below transformers 5.14 generate never announces a rollback
+            assert run.caches[0].stats()["requantized_tokens"] == 0
 
 
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
