@@ -23,7 +23,7 @@ transformers' SDPA too, so results are always those of the reference path up to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,6 +75,18 @@ class QuantizedKV:
     @property
     def device(self) -> torch.device:
         return self.tail.device
+
+    def to(self, device: torch.device | str) -> QuantizedKV:
+        """The same K or V on ``device`` (KV-sharing layers move what they borrow, e.g. Gemma4 in transformers
+        5.13-5.22, which hands the source layer's read-out to the consumer layers)."""
+        if torch.device(device) == self.device:
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, prefix=move(self.prefix), codes=move(self.codes), scale=move(self.scale),
+                       zero=move(self.zero), tail=move(self.tail))
 
     def dense(self) -> torch.Tensor:
         """``[B, H, seq, D]`` in the tail's dtype: the reference read-out (one vectorized decode)."""

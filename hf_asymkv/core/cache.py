@@ -37,9 +37,10 @@ def _head_dim(config: PreTrainedConfig) -> int:
 
 def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedConfig]:
     """One config per layer: heterogeneous configs (e.g. Gemma4, whose full-attention layers have their own
-    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view."""
+    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view. The cache
+    may have fewer layers than the config (transformers < 5.23 drops trailing KV-sharing layers)."""
     per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is None or len(per_layer) != n_layers:
+    if per_layer is None or len(per_layer) < n_layers:
         return [config] * n_layers
     return [per_layer[i] for i in range(n_layers)]
 
