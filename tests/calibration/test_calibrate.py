@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from hf_asymkv import cache_kwargs
-from hf_asymkv import AsymKVCache
+from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.calibration.calibrate import (
     BUCKETS,
     LayerStats,

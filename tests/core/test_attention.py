@@ -12,8 +12,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_asymkv import cache_kwargs
-from hf_asymkv import AsymKVCache, register_attention
+from hf_asymkv import AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.core.attention import (
     ATTN_IMPLEMENTATION,
     FUSED_MAX_QUERY_TOKENS,

@@ -62,7 +62,8 @@ def test_layer_types_line_up_with_dynamic_cache(request, name):
     layers = DynamicCache(config=config).layers
     assert len(types) == len(layers)
     for layer_type, layer in zip(types, layers):
-        assert (layer_type in ("sliding_attention", "chunked_attention")) == isinstance(layer, DynamicSlidingWindowLayer)
+        sliding = layer_type in ("sliding_attention", "chunked_attention")
+        assert sliding == isinstance(layer, DynamicSlidingWindowLayer)
 
 
 def test_reset_layer_empties_a_sliding_window():
