@@ -22,6 +22,7 @@ from .version import __version__
 if TYPE_CHECKING:  # what static tools see; at run time the names load on first use (__getattr__)
     from .core.attention import register as register_attention
     from .core.cache import AsymKVCache
+    from .core.compat import cache_kwargs
     from .core.config import KEY_FORMATS, OVERFLOW_POLICIES, VALUE_BITS, AsymKVConfig
     from .core.layer import AsymKVLayer
     from .core.quant import QuantSpec
@@ -37,6 +38,7 @@ _PUBLIC = {
     "OVERFLOW_POLICIES": ("config", "OVERFLOW_POLICIES"),
     "QuantSpec": ("quant", "QuantSpec"),
     "VALUE_BITS": ("config", "VALUE_BITS"),
+    "cache_kwargs": ("compat", "cache_kwargs"),
     "register_attention": ("attention", "register"),
 }
 

@@ -67,7 +67,7 @@ def compare_ranges(short, long) -> dict:
 def continue_schemes(model, tokenizer, cals: dict) -> list[dict]:
     from transformers import DynamicCache
 
-    from hf_asymkv import AsymKVCache
+    from hf_asymkv import AsymKVCache, cache_kwargs
     from hf_asymkv.evals.evaluate import cache_from_prefix, compare_continuation, encode_prompt, tail_and_decode
     from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
 
@@ -85,7 +85,7 @@ def continue_schemes(model, tokenizer, cals: dict) -> list[dict]:
         ids = encode_prompt(tokenizer, prompt)
         head, tail = ids[:, :-TAIL], ids[:, -TAIL:]
         dyn = DynamicCache(config=model.config)
-        model(input_ids=head, past_key_values=dyn, use_cache=True, logits_to_keep=1)
+        model(input_ids=head, **cache_kwargs(dyn), use_cache=True, logits_to_keep=1)
         caches = {name: cache_from_prefix(make(), dyn) for name, make in schemes.items()}
         ref_logits, ref_tokens = tail_and_decode(model, dyn, tail, MAX_NEW)
         del dyn

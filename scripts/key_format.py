@@ -111,7 +111,7 @@ def sqnr(signal: float, noise: float) -> float:
 @torch.no_grad()
 def check_prefill(model, tokenizer, length: int) -> float:
     """Max |logit| difference between the shared-prefill shortcut and a real two-call AsymKVCache run."""
-    from hf_asymkv import AsymKVCache
+    from hf_asymkv import AsymKVCache, cache_kwargs
     from hf_asymkv.evals.evaluate import encode_prompt
     from hf_asymkv.evals.tasks import make_needle_prompt
     from transformers import DynamicCache
@@ -120,19 +120,19 @@ def check_prefill(model, tokenizer, length: int) -> float:
     head, tail = ids[:, :-TAIL], ids[:, -TAIL:]
     real = AsymKVCache(model.config, key_format=FORMATS[0], value_bits=VALUE_BITS, key_block_size=BLOCK,
                        residual_length=RESIDUAL)
-    model(input_ids=head, past_key_values=real, use_cache=True, logits_to_keep=1)
-    real_logits = model(input_ids=tail, past_key_values=real, use_cache=True).logits
+    model(input_ids=head, **cache_kwargs(real), use_cache=True, logits_to_keep=1)
+    real_logits = model(input_ids=tail, **cache_kwargs(real), use_cache=True).logits
     dyn = DynamicCache(config=model.config)
-    model(input_ids=head, past_key_values=dyn, use_cache=True, logits_to_keep=1)
+    model(input_ids=head, **cache_kwargs(dyn), use_cache=True, logits_to_keep=1)
     sim = asym_from_prefix(model.config, FORMATS[0], dyn)
-    sim_logits = model(input_ids=tail, past_key_values=sim, use_cache=True).logits
+    sim_logits = model(input_ids=tail, **cache_kwargs(sim), use_cache=True).logits
     assert real.stats() == sim.stats(), (real.stats(), sim.stats())
     return float((real_logits - sim_logits).abs().max())
 
 
 @torch.no_grad()
 def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict], dict[int, dict]]:
-    from hf_asymkv import AsymKVCache
+    from hf_asymkv import AsymKVCache, cache_kwargs
     from hf_asymkv.evals.evaluate import compare_continuation, encode_prompt, tail_and_decode
     from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
     from transformers import DynamicCache
@@ -146,7 +146,7 @@ def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict],
             ids = encode_prompt(tokenizer, prompt)
             head, tail = ids[:, :-TAIL], ids[:, -TAIL:]
             dyn = DynamicCache(config=model.config)
-            model(input_ids=head, past_key_values=dyn, use_cache=True, logits_to_keep=1)
+            model(input_ids=head, **cache_kwargs(dyn), use_cache=True, logits_to_keep=1)
             caches = {fmt: asym_from_prefix(model.config, fmt, dyn) for fmt in FORMATS}
             ref_logits, ref_tokens = tail_and_decode(model, dyn, tail, MAX_NEW)  # dyn now holds the whole prompt
             n = ids.shape[1] // BLOCK * BLOCK

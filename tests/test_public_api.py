@@ -45,18 +45,19 @@ def test_constants_are_public():
     assert "int8" in KEY_FORMATS and 4 in VALUE_BITS and "widen" in OVERFLOW_POLICIES
 
 
-def test_docstring_example_uses_cache_keyword():
+def test_docstring_example_passes_the_cache_under_the_installed_name():
     doc = hf_asymkv.AsymKVCache.__doc__
-    assert "cache=cache" in doc and "past_key_values" not in doc
+    assert "model.generate(**inputs, **cache_kwargs(cache)" in doc and "past_key_values=cache" not in doc
 
 
 def test_readme_pipeline_example_uses_the_cache(llama):
-    """The README's ``pipeline("text-generation")`` call with ``cache=``: the cache is the one generate fills."""
+    """The README's ``pipeline("text-generation")`` call (``cache_kwargs``: ``cache=`` on 5.24+): the cache is the one
+    generate fills."""
     from helpers import WORDS, word_tokenizer
     from transformers import pipeline
 
     generator = pipeline("text-generation", model=llama, tokenizer=word_tokenizer())
     cache = hf_asymkv.AsymKVCache(llama.config, residual_length=8, key_block_size=8)
-    out = generator(" ".join(WORDS[:40]), cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    out = generator(" ".join(WORDS[:40]), **hf_asymkv.cache_kwargs(cache), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert isinstance(out[0]["generated_text"], str)
     assert cache.get_seq_length() >= 40 and cache.stats()["tokens_quantized"] > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_asymkv import AsymKVCache
+from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.models import ModelNotAvailableError, load_model
 from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
 
@@ -24,7 +24,7 @@ def real_model():
 
 def _answer(model, tokenizer, enc, cache) -> str:
     with torch.no_grad():
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=24, do_sample=False)
+        out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=24, do_sample=False)
     return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..core.compat import cache_kwargs
 from ..core.fileio import atomic_write_text
 from .memory import cache_nbytes
 from .schemes import make_cache, with_baseline
@@ -34,7 +35,7 @@ def record_kv(model, input_ids: torch.Tensor, chunk_size: int = 1024) -> list[tu
     """Per-layer post-RoPE K/V ``[B, kv_heads, T, head_dim]`` of a chunked prefill (full history, every layer)."""
     cache = DynamicCache()  # no config: sliding layers keep their whole history too, so any cache can replay it
     for start in range(0, input_ids.shape[-1], chunk_size):
-        model(input_ids=input_ids[:, start : start + chunk_size], past_key_values=cache, use_cache=True,
+        model(input_ids=input_ids[:, start : start + chunk_size], **cache_kwargs(cache), use_cache=True,
               logits_to_keep=1)
     return [(layer.keys, layer.values) for layer in cache.layers]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.compat import cache_kwargs
 from .memory import cache_nbytes
 from .schemes import make_cache, scheme_attention, with_baseline
 
@@ -109,14 +110,14 @@ def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int) -> _Run:
     with scheme_attention(model, name), PeakRSS() as rss:
         cache = make_cache(name, model.config)
         start = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - start
         token = out.logits[:, -1:].argmax(-1)
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         steps = []
         for _ in range(new_tokens):
             start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **cache_kwargs(cache), use_cache=True)
             steps.append(time.perf_counter() - start)
             token = out.logits[:, -1:].argmax(-1)
         kv = cache_nbytes(cache)

@@ -8,12 +8,13 @@ per channel when a percentile is asked for (k = the number of tokens above the p
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
+
+from ..core.compat import cache_kwargs
 
 __all__ = ["BUCKETS", "LayerStats", "ObservingCache", "bucket_report", "calibrate_model", "format_report",
            "percentile_top_k", "scales_from_stats"]
@@ -131,8 +132,6 @@ def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 204
 
     from ..models import input_device
 
-    # transformers >= 5.x names the forward argument `cache` (`past_key_values` is deprecated there).
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     device = input_device(model)  # not model.device: that is `meta` when a device map offloads the embeddings
     stats: dict[int, LayerStats] = {}
     total = sum(math.ceil(s.shape[-1] / chunk_size) for s in samples)
@@ -141,7 +140,7 @@ def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 204
         cache = ObservingCache(model.config, stats, top_k)
         for start in range(0, ids.shape[-1], chunk_size):
             chunk = ids[:, start : start + chunk_size].to(device)
-            model(input_ids=chunk, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            model(input_ids=chunk, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
             bar.update(1)
         del cache
     bar.close()

@@ -23,7 +23,7 @@ transformers' SDPA too, so results are always those of the reference path up to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,6 +75,18 @@ class QuantizedKV:
     @property
     def device(self) -> torch.device:
         return self.tail.device
+
+    def to(self, device: torch.device | str) -> QuantizedKV:
+        """The same K or V on ``device`` (KV-sharing layers move what they borrow, e.g. Gemma4 in transformers
+        5.13-5.22, which hands the source layer's read-out to the consumer layers)."""
+        if torch.device(device) == self.device:
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, prefix=move(self.prefix), codes=move(self.codes), scale=move(self.scale),
+                       zero=move(self.zero), tail=move(self.tail))
 
     def dense(self) -> torch.Tensor:
         """``[B, H, seq, D]`` in the tail's dtype: the reference read-out (one vectorized decode)."""
@@ -208,9 +220,14 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # SDPA has no logit soft-capping; transformers' sdpa refuses it from 5.21 but silently ignored it before, so it is
+    # refused here on every release rather than computing attention without the cap.
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support `softcap` (neither does `sdpa`); load the "
+                         "model with attn_implementation='eager' for soft-capped attention.")
     if isinstance(key, QuantizedKV):
         d = key.tail.shape[-1]
-        unsupported = (kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None
+        unsupported = (kwargs.get("sliding_window") is not None
                        or kwargs.get("s_aux") is not None or (dropout > 0 and module.training)
                        or not _foldable(key, d) or query.shape[2] > FUSED_MAX_QUERY_TOKENS)
         if key.codes.shape[2] and not unsupported:

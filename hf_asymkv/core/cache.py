@@ -14,9 +14,10 @@ from collections import Counter
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicCache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import ATTN_IMPLEMENTATION
+from .compat import cache_layer_types, reset_layer
 from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
 from .layer import AsymKVLayer
 from .scales import KVScales
@@ -36,9 +37,10 @@ def _head_dim(config: PreTrainedConfig) -> int:
 
 def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedConfig]:
     """One config per layer: heterogeneous configs (e.g. Gemma4, whose full-attention layers have their own
-    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view."""
+    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view. The cache
+    may have fewer layers than the config (transformers < 5.23 drops trailing KV-sharing layers)."""
     per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is None or len(per_layer) != n_layers:
+    if per_layer is None or len(per_layer) < n_layers:
         return [config] * n_layers
     return [per_layer[i] for i in range(n_layers)]
 
@@ -46,10 +48,11 @@ def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedCo
 def layer_types(config: PreTrainedConfig) -> list[str]:
     """Per-layer cache type of a (text) config, exactly as transformers' own `DynamicCache` sees it.
 
-    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"``; missing ``layer_types`` are
-    inferred per layer (``get_layer_types_and_kwargs``, the resolution `DynamicCache` itself uses).
+    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"`` (transformers 5.23+; older
+    releases leave KV-sharing layers out); missing ``layer_types`` are inferred per layer, the resolution
+    `DynamicCache` itself uses (:func:`~hf_asymkv.core.compat.cache_layer_types`).
     """
-    return list(get_layer_types_and_kwargs(config)[0])
+    return cache_layer_types(config)
 
 
 def kv_layer_indices(config: PreTrainedConfig) -> list[int]:
@@ -82,8 +85,11 @@ class AsymKVCache(Cache):
         from hf_asymkv import AsymKVCache
 
         cache = AsymKVCache(model.config)
-        out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # a pipeline call takes cache= too
+        out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)  # hf_asymkv.cache_kwargs
         cache.memory_footprint()["ratio_vs_model_dtype"], cache.stats()["tokens_quantized"]
+
+    ``cache_kwargs(cache)`` is ``{"cache": cache}`` on transformers 5.24+ and ``{"past_key_values": cache}`` before
+    (:func:`hf_asymkv.core.compat.cache_kwargs`); on 5.24+ ``cache=cache`` may be written directly.
 
     When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
     the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
@@ -154,6 +160,12 @@ class AsymKVCache(Cache):
             layer.return_views = self.fused_attention
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def reset(self) -> None:
+        """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:
+        :func:`~hf_asymkv.core.compat.reset_layer`)."""
+        for layer in self.layers:
+            reset_layer(layer)
+
     def activate_past_recording(self) -> None:
         """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see
         :class:`~hf_asymkv.core.layer.AsymKVLayer`). transformers' ``generate`` calls this for assisted decoding."""
@@ -206,7 +218,7 @@ class AsymKVCache(Cache):
         Example::
 
             cache = AsymKVCache.from_pretrained("org/model-asymkv-scales", config=model.config)
-            out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+            out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)  # hf_asymkv.cache_kwargs
         """
         from .pretrained import load_published
 

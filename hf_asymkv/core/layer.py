@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .attention import QuantizedKV
+from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length
 from .config import OVERFLOW_POLICIES
 from .quant import QuantSpec, scale_from_absmax
 from .store import TensorStore
@@ -39,7 +40,7 @@ from .store import TensorStore
 __all__ = ["AsymKVLayer"]
 
 
-class AsymKVLayer(CacheLayerMixin):
+class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     """Cache layer with quantized K/V blocks between an exact sink prefix and an exact recent window.
 
     Args:
@@ -151,7 +152,7 @@ class AsymKVLayer(CacheLayerMixin):
         return tuple(store.read(n_old, tail, self.return_views) for store, (tail, _) in zip(self.stores, pushed))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        return self.cumulative_length + mask_query_length(query_length), 0
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -191,15 +192,18 @@ class AsymKVLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens from the end (0 keeps all), then quantize what has aged out.
 
+        (transformers < 5.14 passes the length to keep instead: :func:`~hf_asymkv.core.compat.crop_tokens_to_remove`.)
+
         Raises:
             ValueError: a positive argument (transformers' layers refuse the old "keep this length" meaning too).
         """
+        tokens_to_remove = crop_tokens_to_remove(tokens_to_remove, self.cumulative_length)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove (or 0), got {tokens_to_remove}; "
                              "the positive 'length to keep' form is not supported.")
         if not self.is_initialized:
             return
-        keep = max(0, self.cumulative_length + int(tokens_to_remove))
+        keep = max(0, self.cumulative_length + tokens_to_remove)
         moved = [store.crop(keep, self.dtype) for store in self.stores]
         self.stats["requantized_tokens"] += moved[0]
         self.cumulative_length = keep

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .evaluate import cache_from_prefix, encode_prompt
+from ..core.compat import cache_kwargs
 from ..bench.schemes import ATTENTION, make_cache
 from .common import check_length, progress
 from ..models import input_device
@@ -62,7 +63,7 @@ def eager_attention(model) -> Iterator:
 def _attentions(model, cache, ids: torch.Tensor) -> list[torch.Tensor]:
     """Per layer ``[heads, q, keys]`` attention probabilities of ``ids`` (``[1, q]``) fed after ``cache``."""
     with eager_attention(model):
-        out = model(input_ids=ids, cache=cache, use_cache=cache is not None, output_attentions=True,
+        out = model(input_ids=ids, **cache_kwargs(cache), use_cache=cache is not None, output_attentions=True,
                     logits_to_keep=1)
     return [a[0].float() for a in out.attentions]
 
@@ -109,7 +110,7 @@ def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int) -> d
     """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference)."""
     prefilled = make_cache("dynamic", model.config)
     with torch.no_grad():
-        model(input_ids=ids[:, :-queries], cache=prefilled, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :-queries], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
     ref, out = None, {}
     for name in schemes:
         probs = _attentions(model, cache_from_prefix(make_cache(name, model.config), prefilled), ids[:, -queries:])

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
+from ..core.compat import cache_kwargs
 from ..bench.memory import cache_nbytes
 from ..core.cache import AsymKVCache
 from .tasks import make_needle_prompt, score_answer
@@ -100,7 +101,8 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
     for name, cache in (("DynamicCache (full precision)", DynamicCache(config=model.config)),
                         ("AsymKVCache (K int8/ch, V int4/tok)", AsymKVCache(model.config))):
         clock = StepClock()
-        out = model.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False, streamer=clock)
+        out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
+                             streamer=clock)
         answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
         held = cache_nbytes(cache)
         rows.append(DemoRow(name, answer, score_answer(answer, prompt.answer), held,

@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from ..core.compat import DUMMY_LAYER_CLASSES, cache_kwargs
 
 __all__ = ["cache_from_prefix", "compare_continuation", "encode_prompt", "eos_ids", "kl_top1", "tail_and_decode"]
 
@@ -40,7 +42,7 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
 # Layers that store what they are given, unquantized: a copy of the full-precision layer is their prefill state.
 # Sliding-window layers must be copied (their stored K/V are already trimmed to the window and carry the
 # cumulative length); anything else, quantizing or not, receives the prefix K/V in one ``update``.
-_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
+_PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, *DUMMY_LAYER_CLASSES)
 
 
 def cache_from_prefix(cache, prefilled):
@@ -81,10 +83,10 @@ def tail_and_decode(model, cache, tail_ids: torch.Tensor, max_new: int = 24) -> 
         ``(logits [n, vocab] of the tail, generated token ids)``.
     """
     eos = eos_ids(model)
-    logits = model(input_ids=tail_ids, cache=cache, use_cache=True).logits[0].float()
+    logits = model(input_ids=tail_ids, **cache_kwargs(cache), use_cache=True).logits[0].float()
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < max_new and tokens[-1] not in eos:
-        step = model(input_ids=torch.tensor([[tokens[-1]]], device=tail_ids.device), cache=cache,
+        step = model(input_ids=torch.tensor([[tokens[-1]]], device=tail_ids.device), **cache_kwargs(cache),
                      use_cache=True, logits_to_keep=1).logits
         tokens.append(int(step[0, -1].argmax()))
     return logits, tokens

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .evaluate import cache_from_prefix
+from ..core.compat import cache_kwargs
 from ..bench.schemes import make_cache, scheme_attention
 from .common import check_length, progress
 from ..models import input_device
@@ -66,7 +67,7 @@ def _score(model, cache, ids: torch.Tensor, start: int, chunk: int) -> tuple[tor
     nll, top = [], []
     for s in range(start, ids.shape[1], chunk):
         piece = ids[:, s : s + chunk]
-        logits = model(input_ids=piece, cache=cache, use_cache=True).logits[0].float()
+        logits = model(input_ids=piece, **cache_kwargs(cache), use_cache=True).logits[0].float()
         targets = ids[0, s + 1 : s + 1 + piece.shape[1]]
         logits = logits[: targets.shape[0]]
         nll.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
@@ -101,7 +102,7 @@ def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, window
         ids = ids.to(input_device(model))
         prefilled = make_cache("dynamic", model.config)
         with torch.no_grad():
-            model(input_ids=ids[:, :prefix], cache=prefilled, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, :prefix], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
         ref_top = None
         for name in schemes:
             with scheme_attention(model, name):

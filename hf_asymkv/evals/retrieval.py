@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
+from ..core.compat import cache_kwargs
 from ..bench.schemes import make_cache, scheme_attention
 from .common import check_length, progress
 from ..models import input_device
@@ -73,7 +74,7 @@ def _answer_all(model, tokenizer, task, schemes: list[str], sample: int) -> list
     """One prompt through every scheme (``schemes[0]`` must be ``dynamic``: the reference)."""
     ids = encode_prompt(tokenizer, task).to(input_device(model))
     prefilled = make_cache("dynamic", model.config)
-    model(input_ids=ids[:, :-TAIL], cache=prefilled, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids[:, :-TAIL], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
     rows, ref = [], None
     for name in schemes:
         with scheme_attention(model, name):  # e.g. the fused attention of asymkv-fused

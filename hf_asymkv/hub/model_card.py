@@ -154,14 +154,14 @@ def _usage(base_model: str | None, where: str) -> str:
     return "\n".join([
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        "from hf_asymkv import AsymKVCache",
+        "from hf_asymkv import AsymKVCache, cache_kwargs",
         "",
         f"model = AutoModelForCausalLM.from_pretrained({json.dumps(base)})",
         f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(base)})",
         f"cache = AsymKVCache.from_pretrained({json.dumps(where)}, config=model.config)",
         "",
         'inputs = tokenizer("A long document ... Question: ...", return_tensors="pt")',
-        "out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # transformers < 5.24: past_key_values=",
+        "out = model.generate(**inputs, **cache_kwargs(cache), max_new_tokens=64)  # cache= on transformers 5.24+",
         'print(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
         'print(cache.memory_footprint()["total"], cache.stats())',
     ])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from hf_asymkv import AsymKVCache
+from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.calibration.calibrate import (
     BUCKETS,
     LayerStats,
@@ -48,7 +48,7 @@ def unit_keys(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 def forward(model, ids, cache, **kw):
     with torch.no_grad():
-        return model(input_ids=ids, cache=cache, use_cache=True, **kw)
+        return model(input_ids=ids, **cache_kwargs(cache), use_cache=True, **kw)
 
 
 def chunked(model, ids, cache, chunk: int) -> list[torch.Tensor]:
@@ -181,8 +181,8 @@ def test_observing_cache_does_not_change_attention(model, prompt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         kw = dict(max_new_tokens=8, do_sample=False)
-        a = model.generate(prompt, cache=ObservingCache(model.config), **kw)
-        b = model.generate(prompt, cache=DynamicCache(config=model.config), **kw)
+        a = model.generate(prompt, **cache_kwargs(ObservingCache(model.config)), **kw)
+        b = model.generate(prompt, **cache_kwargs(DynamicCache(config=model.config)), **kw)
     assert torch.equal(a, b)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_asymkv import AsymKVCache, register_attention
+from hf_asymkv import AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.core.attention import (
     ATTN_IMPLEMENTATION,
     FUSED_MAX_QUERY_TOKENS,
@@ -159,7 +159,7 @@ def test_generate_matches_reference_path(request, name, prompt, single_thread):
     for tag, m in (("ref", model), ("fused", fused)):
         cache = AsymKVCache(m.config, **kwargs)
         assert cache.fused_attention == (tag == "fused")
-        res = m.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False, output_logits=True,
+        res = m.generate(prompt, **cache_kwargs(cache), max_new_tokens=12, do_sample=False, output_logits=True,
                          return_dict_in_generate=True)
         out[tag] = res
         assert cache.stats()["tokens_quantized"] > 0
@@ -172,9 +172,9 @@ def test_generate_left_padded_batch(llama, padded_batch, single_thread):
     ids, mask = padded_batch
     fused = _fused_copy(llama)
     kwargs = {"residual_length": 8, "key_block_size": 8}
-    ref = llama.generate(ids, attention_mask=mask, past_key_values=AsymKVCache(llama.config, **kwargs),
+    ref = llama.generate(ids, attention_mask=mask, **cache_kwargs(AsymKVCache(llama.config, **kwargs)),
                          max_new_tokens=8, do_sample=False)
-    got = fused.generate(ids, attention_mask=mask, past_key_values=AsymKVCache(fused.config, **kwargs),
+    got = fused.generate(ids, attention_mask=mask, **cache_kwargs(AsymKVCache(fused.config, **kwargs)),
                          max_new_tokens=8, do_sample=False)
     assert torch.equal(ref, got)
 
@@ -213,15 +213,15 @@ def test_attention_mode_is_read_at_every_update(llama, prompt, single_thread):
     assert not cache.fused_attention
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     assert cache.fused_attention
-    out_fused = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
+    out_fused = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=6, do_sample=False)
     assert all(layer.return_views for layer in cache.layers)
     model.set_attn_implementation("sdpa")
     assert not cache.fused_attention
-    more = model.generate(out_fused, cache=cache, max_new_tokens=6, do_sample=False)
+    more = model.generate(out_fused, **cache_kwargs(cache), max_new_tokens=6, do_sample=False)
     assert not any(layer.return_views for layer in cache.layers)
     ref_cache = AsymKVCache(llama.config, residual_length=8, key_block_size=8)
-    ref = llama.generate(llama.generate(prompt, cache=ref_cache, max_new_tokens=6, do_sample=False), cache=ref_cache,
-                         max_new_tokens=6, do_sample=False)
+    first = llama.generate(prompt, **cache_kwargs(ref_cache), max_new_tokens=6, do_sample=False)
+    ref = llama.generate(first, **cache_kwargs(ref_cache), max_new_tokens=6, do_sample=False)
     assert torch.equal(more, ref)
 
 

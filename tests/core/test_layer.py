@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_asymkv import AsymKVLayer
+from hf_asymkv.core.compat import CROP_TAKES_LENGTH_TO_KEEP
 from hf_asymkv.core.store import GrowableBuffer
 from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
 
@@ -276,6 +277,7 @@ def test_crop_then_regrow_requantizes_uncommitted_tokens():
     assert ns + nq + nw == 70 and nq % 8 == 0 and 8 <= nw < 16
 
 
+@pytest.mark.skipif(CROP_TAKES_LENGTH_TO_KEEP, reason="transformers < 5.14: a positive crop is the length to keep")
 @pytest.mark.parametrize("arg", [1, 47, 500], ids=["one", "inside", "beyond"])
 def test_positive_crop_is_refused(arg):
     """transformers' layers refuse the old 'length to keep' meaning; ours did not (it silently kept ``arg``)."""
@@ -283,6 +285,15 @@ def test_positive_crop_is_refused(arg):
     with pytest.raises(ValueError, match=f"crop takes a negative number of tokens to remove \\(or 0\\), got {arg}"):
         layer.crop(arg)
     assert layer.get_seq_length() == 60
+
+
+@pytest.mark.skipif(not CROP_TAKES_LENGTH_TO_KEEP, reason="transformers >= 5.14: a positive crop is refused")
+@pytest.mark.parametrize("arg", [1, 47, 500], ids=["one", "inside", "beyond"])
+def test_positive_crop_keeps_that_length_below_5_14(arg):
+    """transformers < 5.14 rolls back with ``crop(new_length - 1)``: a positive argument is the length to keep."""
+    layer, *_ = _filled()
+    layer.crop(arg)
+    assert layer.get_seq_length() == min(arg, 60)
 
 
 def _recording(n: int = 60, sink_tokens: int = 2) -> tuple:

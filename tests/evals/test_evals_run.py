@@ -12,6 +12,7 @@ from conftest import llama_config
 from helpers import char_tokenizer
 from transformers import DynamicCache
 
+from hf_asymkv import cache_kwargs
 from hf_asymkv.evals.attention import (
     attention_stats,
     eager_attention,
@@ -37,7 +38,7 @@ def tok():
 
 @torch.no_grad()
 def tail_logits(model, cache, ids, n_tail):
-    return model(input_ids=ids[:, -n_tail:], cache=cache, use_cache=True).logits
+    return model(input_ids=ids[:, -n_tail:], **cache_kwargs(cache), use_cache=True).logits
 
 
 # ------------------------------------------------------------------------------------------------ hand-over
@@ -50,10 +51,10 @@ def test_cache_from_prefix_equals_a_real_prefill(model, prompt, scheme):
     ids = torch.cat([prompt, prompt.flip(-1)], dim=1)  # 128 tokens: past the 16-token sliding window
     real = make_cache(scheme, model.config)
     with torch.no_grad():
-        model(input_ids=ids[:, :-8], cache=real, use_cache=True)
+        model(input_ids=ids[:, :-8], **cache_kwargs(real), use_cache=True)
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids[:, :-8], cache=dyn, use_cache=True)
+        model(input_ids=ids[:, :-8], **cache_kwargs(dyn), use_cache=True)
     handed = cache_from_prefix(make_cache(scheme, model.config), dyn)
     torch.testing.assert_close(tail_logits(model, handed, ids, 8), tail_logits(model, real, ids, 8),
                                rtol=1e-5, atol=1e-5)
@@ -64,7 +65,7 @@ def test_cache_from_prefix_quantizes_transformers_quantized_caches(llama, prompt
     """The old hand-over copied QuantizedCache layers from the DynamicCache: full precision in disguise."""
     dyn = DynamicCache(config=llama.config)
     with torch.no_grad():
-        llama(input_ids=prompt[:, :-8], cache=dyn, use_cache=True)
+        llama(input_ids=prompt[:, :-8], **cache_kwargs(dyn), use_cache=True)
     handed = cache_from_prefix(make_cache(scheme, llama.config), dyn)
     layer = handed.layers[0]
     assert type(layer).__name__ in ("QuantoQuantizedLayer", "Fp8QuantizedLayer")
@@ -77,7 +78,7 @@ def test_cache_from_prefix_refuses_a_trimmed_source(hybrid, prompt):
     """A quantizing layer cannot be filled from a sliding-window layer's trimmed K/V."""
     dyn = DynamicCache(config=hybrid.config)
     with torch.no_grad():
-        hybrid(input_ids=prompt, cache=dyn, use_cache=True)
+        hybrid(input_ids=prompt, **cache_kwargs(dyn), use_cache=True)
     llama_like = make_cache("asymkv", llama_config())  # full-attention layers where hybrid has sliding ones
     with pytest.raises(ValueError, match="layer 0: cannot prefill a AsymKVLayer from a DynamicSlidingWindowLayer"):
         cache_from_prefix(llama_like, dyn)

@@ -248,7 +248,7 @@ def test_card_without_eval(published, scales):
     assert "license" not in front  # not known for a local folder without a card
     assert huggingface_hub.ModelCard(card).data.base_model == "org/tiny-llama"  # the Hub's own parser agrees
     assert "AsymKVCache.from_pretrained(\"pub\", config=model.config)" in card
-    assert "model.generate(**inputs, cache=cache" in card
+    assert "model.generate(**inputs, **cache_kwargs(cache)" in card
     assert "No evaluation was attached" in card and "eval/" not in card
     for fact in ("wiki_sample.txt", "2 x 48 tokens", "| Key range statistic | absmax |", "| Samples | 2 |",
                  f"| hf-asymkv version (calibration) | {scales.metadata['tool_version']} |"):
