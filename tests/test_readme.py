@@ -23,7 +23,7 @@ def test_ci_runs_the_readme_test_command():
     test_command = _commands()[1].split("&&")[-1].strip()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines, f"{test_command!r} is not a line of .ci/run"
-    assert "pip install -q torch==2.13.0" in ci_lines  # the CPU wheel before anything that needs torch
+    assert "pip_install torch==2.13.0" in ci_lines  # the CPU wheel before anything that needs torch (pip_install: pip install -q with one retry)
 
 
 def test_architecture_map_names_existing_files():
