@@ -8,6 +8,7 @@ from .core.attention import register as register_attention
 from .core.cache import AsymKVCache
 from .core.config import KEY_FORMATS, OVERFLOW_POLICIES, VALUE_BITS, AsymKVConfig
 from .core.layer import AsymKVLayer
+from .core.presets import PRESETS
 from .core.quant import QuantSpec
 from .core.scales import KVScales
 from .version import __version__
@@ -15,6 +16,7 @@ from .version import __version__
 __all__ = [
     "KEY_FORMATS",
     "OVERFLOW_POLICIES",
+    "PRESETS",
     "VALUE_BITS",
     "AsymKVCache",
     "AsymKVConfig",

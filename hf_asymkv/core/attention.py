@@ -8,7 +8,8 @@ instead and this module's attention never builds dense K or V for the quantized 
 - keys (scales per block and channel, i.e. ``channel``/``tensor`` granularity): the scale is folded into the
   query, ``q . (s * c) = (q * s) . c``, one small matmul per block against the raw codes;
 - values (per-token scale and zero): they are folded into the attention weights,
-  ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``.
+  ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``; rotated values (``V H`` stored) are mixed as stored and
+  only the mixed output is rotated back, ``(p @ V H) H^T``: one ``[q, D] x [D, D]`` product per head.
 
 What it materializes, per layer and call: the quantized region's codes converted to float32 (``[B, H, N, D]``
 for K and for V: as large as a float32 copy of that region; PyTorch has no int8 x float matmul on CPU), the
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant import QuantSpec, decode_codes, dequantize
+from .rotation import unrotate
 
 __all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention",
            "register"]
@@ -47,7 +49,7 @@ class QuantizedKV:
         prefix: ``[B, H, ns, D]`` exact sink tokens, or None.
         codes: ``[B, H, N, packed_dim]`` codes of the quantized region (N may be 0).
         scale, zero: ``[B, H, N // tg, D // cg]`` (zero None for symmetric specs).
-        spec, block_size: how the codes were made.
+        spec, block_size: how the codes were made (``spec.rotated``: the codes hold ``x @ H``).
         tail: ``[B, H, m, D]`` exact recent tokens (those quantized in this very call included).
     """
 
@@ -85,15 +87,18 @@ class QuantizedKV:
         if ns:
             out[:, :, :ns] = self.prefix
         if n:
-            dequantize(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
-                       out=out[:, :, ns : ns + n])
+            region = dequantize(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
+                                out=out[:, :, ns : ns + n])
+            if self.spec.rotated:
+                region.copy_(unrotate(region))
         out[:, :, ns + n :] = self.tail
         return out
 
 
 def _foldable(kv: QuantizedKV, head_dim: int) -> bool:
-    """Scales shared by whole blocks (channel/tensor granularity) fold into the query or the weights."""
-    return kv.spec.groups(head_dim, kv.block_size)[0] == kv.block_size
+    """Scales shared by whole blocks (channel/tensor granularity) fold into the query or the weights; rotated
+    keys would need the query rotated too, which this path does not do (they decode densely)."""
+    return kv.spec.groups(head_dim, kv.block_size)[0] == kv.block_size and not kv.spec.rotated
 
 
 def _expand_channels(meta: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -191,8 +196,9 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     p = scores.softmax(dim=-1)
     ns = k_pre.shape[2]
     out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n :] @ v_tail.to(work)
-    if n:
-        out += _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
+    if n:  # rotated values: mix the rotated codes, rotate the [B, H, n_rep*q, D] result back (cheaper than V)
+        mixed = _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
+        out += unrotate(mixed) if value.spec.rotated else mixed
     dv = out.shape[-1]
     return out.view(b, h, n_rep, q_len, dv).reshape(b, hq, q_len, dv).transpose(1, 2).to(query.dtype).contiguous()
 
