@@ -2,7 +2,8 @@
 
 Each scheme is a factory ``config -> Cache``. transformers' own caches sit beside ours: ``dynamic`` (full
 precision), ``hf-quanto-int4`` (`QuantizedCache` with optimum-quanto, KIVI-style, re-quantizes its history
-at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill).
+at every flush; ``hf-quanto-int2`` likewise at 2 bits) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor
+scale frozen at prefill). The presets are ``asymkv-<preset name>``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers.cache_utils import Cache, DynamicCache, QuantizedCache
 
 from ..core.attention import ATTN_IMPLEMENTATION, register
 from ..core.cache import AsymKVCache
+from ..core.presets import PRESETS
 
 __all__ = ["ATTENTION", "SCHEMES", "check_scheme", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
 
@@ -47,6 +49,13 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
 }
 
+for _name, _config in PRESETS.items():  # the presets (hf_asymkv.PRESETS) by their scheme names
+    SCHEMES[f"asymkv-{_name}"] = (f"ours, preset {_name!r}: {_config.describe()}",
+                                  lambda c, _name=_name: AsymKVCache.from_preset(_name, c))
+SCHEMES["hf-quanto-int2"] = (
+    "transformers QuantizedCache, optimum-quanto int2 (K and V per-channel groups of 64, window 128)",
+    lambda c: QuantizedCache("quanto", c, nbits=2),
+)
 
 # Schemes that need the model's attention implementation switched while they run.
 ATTENTION = {"asymkv-fused": ATTN_IMPLEMENTATION}
