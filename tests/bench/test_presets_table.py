@@ -21,7 +21,7 @@ def test_bytes_and_tables(llama, single_thread):
     pt.ablation_schemes()
     ratios = pt.measure_bytes(llama, schemes, 256)
     assert ratios["dynamic"] == 1.0
-    assert min(ratios["asymkv-max"], ratios["asymkv-compact"]) > ratios["asymkv-balanced"] > 1.5  # 256 tokens: windows weigh
+    assert min(ratios["asymkv-max"], ratios["asymkv-compact"]) > ratios["asymkv-balanced"] > 1.2  # 256 tokens: windows weigh
     # rotation costs no bytes
     assert ratios["abl-balanced-no-rotation"] == pytest.approx(ratios["asymkv-balanced"])
     damage = {"asymkv-balanced": {"prompts": 2, "correct": 2, "lost": 0, "gained": 0, "changed": 1, "kl_sum": 0.5}}
