@@ -22,7 +22,7 @@ import torch
 MODEL = "smollm2-135m-instruct"  # hf_asymkv.models.DEFAULT_MODEL, an HF folder/id, or a .gguf path
 LENGTH = 4096  # prefill (bytes) and needle prompt length (tokens)
 DEPTHS = "0.1,0.5,0.9"  # needle depths
-TASKS = "single,multikey,multivalue,multiquery"  # needle tasks (hf_asymkv.evals.needle.TASKS)
+TASKS = "single,multikey"  # needle tasks (hf_asymkv.evals.needle.TASKS)
 SAMPLES = 1  # prompts per (depth, task)
 OUT = "results/presets"  # output folder
 THREADS = 2  # torch CPU threads

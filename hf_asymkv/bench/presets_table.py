@@ -37,11 +37,9 @@ BASELINES = ["dynamic", "hf-quanto-int4", "hf-quanto-int2"]
 ABLATIONS: dict[str, tuple[str, dict, str]] = {
     "balanced-no-rotation": ("balanced", {"value_rotation": False}, "V rotation off"),
     "balanced-no-sinks": ("balanced", {"sink_tokens": 0}, "sinks off"),
-    "balanced-w32": ("balanced", {"residual_length": 32}, "window 32"),
     "balanced-w128": ("balanced", {"residual_length": 128}, "window 128"),
     "balanced-k-rotation": ("balanced", {"key_rotation": True}, "K rotated too"),
     "balanced-v3": ("balanced", {"value_bits": 3}, "V int3"),
-    "balanced-v5": ("balanced", {"value_bits": 5}, "V int5"),
     "default": ("balanced", {"value_rotation": False, "sink_tokens": 0, "residual_length": 128},
                 "today's default (no rotation, no sinks, window 128)"),
     "compact-no-rotation": ("compact", {"value_rotation": False}, "V rotation off"),
@@ -50,11 +48,8 @@ ABLATIONS: dict[str, tuple[str, dict, str]] = {
     "compact-ksym": ("compact", {"key_symmetric": True}, "K int4 symmetric"),
     "compact-vgroup32": ("compact", {"value_group_size": 32}, "V groups of 32 channels"),
     "compact-v4": ("compact", {"value_bits": 4}, "V int4"),
-    "compact-k8": ("compact", {"key_format": "int8", "key_symmetric": True, "key_block_size": 128}, "K int8"),
     "max-no-rotation": ("max", {"value_rotation": False}, "V rotation off"),
-    "max-w32": ("max", {"residual_length": 32}, "window 32"),
     "max-kblock128": ("max", {"key_block_size": 128}, "K groups of 128 tokens"),
-    "max-vgroup32": ("max", {"value_group_size": 32}, "V groups of 32 channels"),
 }
 
 

@@ -9,7 +9,8 @@ instead and this module's attention never builds dense K or V for the quantized 
   query, ``q . (s * c) = (q * s) . c``, one small matmul per block against the raw codes;
 - values (per-token scale and zero): they are folded into the attention weights,
   ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``; rotated values (``V H`` stored) are mixed as stored and
-  only the mixed output is rotated back, ``(p @ V H) H^T``: one ``[q, D] x [D, D]`` product per head.
+  only the mixed output is rotated back, ``(p @ V H) H^T``: one ``[q, D] x [D, D]`` product per head; rotated
+  keys (an ablation) meet the rotated query, ``q . k = (q H) . (k H)``.
 
 What it materializes, per layer and call: the quantized region's codes converted to float32 (``[B, H, N, D]``
 for K and for V: as large as a float32 copy of that region; PyTorch has no int8 x float matmul on CPU), the
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant import QuantSpec, decode_codes, dequantize
-from .rotation import unrotate
+from .rotation import dequantize_rotated, rotate, unrotate
 
 __all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention",
            "register"]
@@ -87,18 +88,16 @@ class QuantizedKV:
         if ns:
             out[:, :, :ns] = self.prefix
         if n:
-            region = dequantize(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
-                                out=out[:, :, ns : ns + n])
-            if self.spec.rotated:
-                region.copy_(unrotate(region))
+            read = dequantize_rotated if self.spec.rotated else dequantize
+            read(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
+                 out=out[:, :, ns : ns + n])
         out[:, :, ns + n :] = self.tail
         return out
 
 
 def _foldable(kv: QuantizedKV, head_dim: int) -> bool:
-    """Scales shared by whole blocks (channel/tensor granularity) fold into the query or the weights; rotated
-    keys would need the query rotated too, which this path does not do (they decode densely)."""
-    return kv.spec.groups(head_dim, kv.block_size)[0] == kv.block_size and not kv.spec.rotated
+    """Scales shared by whole blocks (channel/tensor granularity) fold into the query or the weights."""
+    return kv.spec.groups(head_dim, kv.block_size)[0] == kv.block_size
 
 
 def _expand_channels(meta: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -188,7 +187,8 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     k_pre, k_tail = _parts(key)
     v_pre, v_tail = _parts(value)
     n = key.codes.shape[2]
-    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q, key) if n else q[..., :0],
+    q_codes = rotate(q).to(work) if key.spec.rotated else q  # rotated keys: q . k = (q H) . (k H)
+    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q_codes, key) if n else q[..., :0],
                         q @ k_tail.to(work).transpose(-1, -2)], dim=-1)  # [B, H, n_rep*q, kv]
     bias = _mask_bias(attention_mask, b, h, n_rep, q_len, scores.shape[-1], work, query.device)
     if bias is not None:

@@ -308,9 +308,10 @@ def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = t
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored codes -> the integer (or fp8) code values in ``dtype``, before scale and zero: ``[B, H, T, D]``.
 
-    Codes of 2 or 4 bits (:func:`pack_bits`, one plane set) are shifted, masked and converted straight into
-    contiguous slices of ``out``; 3, 5 and 6 bits (two plane sets) are unpacked to ``uint8`` first. Symmetric
-    sub-byte codes get their storage offset removed. Integers up to 8 bits are exact in every float dtype.
+    Every bit-plane (:func:`pack_bits`) is one shift-and-mask of the packed bytes, converted straight into a
+    contiguous slice of ``out``: copied for the low bits, added with its weight (``2**shift``) for the high bits
+    of 3, 5 and 6-bit codes. Symmetric sub-byte codes get their storage offset removed. Integers up to 8 bits
+    are exact in every float dtype.
     """
     b, h, t, _ = codes.shape
     head_dim = codes.shape[-1] if spec.is_float or spec.bits == 8 else codes.shape[-1] * 8 // spec.bits
@@ -318,14 +319,20 @@ def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = t
         out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
     if spec.is_float or spec.bits == 8:
         return out.copy_(codes)
-    if len(plane_widths(spec.bits)) > 1:
-        out.copy_(unpack_bits(codes, spec.bits))
-    else:
-        per_byte, packed = 8 // spec.bits, codes.shape[-1]
-        mask = (1 << spec.bits) - 1
+    start, shift = 0, 0
+    for width in plane_widths(spec.bits):
+        per_byte, size = 8 // width, head_dim * width // 8
+        part = codes[..., start : start + size]
+        mask = (1 << width) - 1
         for j in range(per_byte):
-            plane = codes >> (j * spec.bits) if j else codes
-            out[..., j * packed : (j + 1) * packed].copy_(plane & mask if j < per_byte - 1 else plane)
+            plane = part >> (j * width) if j else part
+            plane = plane & mask if j < per_byte - 1 else plane
+            dest = out[..., j * size : (j + 1) * size]
+            if shift:
+                dest.add_(plane, alpha=1 << shift)
+            else:
+                dest.copy_(plane)
+        start, shift = start + size, shift + width
     if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
         out.sub_(2 ** (spec.bits - 1))
     return out

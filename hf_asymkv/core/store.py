@@ -20,7 +20,7 @@ import torch
 
 from .attention import QuantizedKV
 from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metadata, quantize
-from .rotation import rotate, unrotate
+from .rotation import dequantize_rotated, rotate
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
 
@@ -155,9 +155,9 @@ class QuantizedBlocks:
         tg = self.token_group(head_dim)
         r0, r1 = start // tg, stop // tg
         zeros = self.zeros.live[:, :, r0:r1] if self.zeros.length else None
-        out = dequantize(self.codes.live[:, :, start:stop], self.scales.live[:, :, r0:r1], zeros, self.spec,
-                         self.block_size, dtype=dtype)
-        return unrotate(out) if self.spec.rotated else out
+        read = dequantize_rotated if self.spec.rotated else dequantize
+        return read(self.codes.live[:, :, start:stop], self.scales.live[:, :, r0:r1], zeros, self.spec,
+                    self.block_size, dtype=dtype)
 
     def truncate(self, n: int, head_dim: int) -> None:
         """Keep the first ``n`` (block-aligned) tokens."""
