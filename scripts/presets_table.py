@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", default=TASKS, help="comma-separated needle tasks (default: %(default)s)")
     p.add_argument("--samples", type=int, default=SAMPLES, help="prompts per depth and task (default: %(default)s)")
     p.add_argument("--no-ablations", action="store_true", help="presets and baselines only")
+    p.add_argument("--schemes", default=None, help="comma-separated subset of the schemes (default: all)")
     p.add_argument("--out", default=OUT, help="output folder (default: %(default)s)")
     p.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     schemes = pt.BASELINES + pt.preset_schemes() + ([] if args.no_ablations else pt.ablation_schemes())
+    if args.schemes:
+        unknown = sorted(set(args.schemes.split(",")) - set(schemes))
+        if unknown:
+            raise SystemExit(f"unknown scheme(s) {unknown}; known: {schemes}")
+        schemes = ["dynamic"] + [s for s in schemes if s in args.schemes.split(",") and s != "dynamic"]
     model, tokenizer = load_model(args.model)
     ratios = pt.measure_bytes(model, schemes, args.length)
     ratios_d128 = pt.measure_bytes(pt.tiny_head_dim_128(), schemes, args.length)

@@ -50,6 +50,9 @@ ABLATIONS: dict[str, tuple[str, dict, str]] = {
     "compact-v4": ("compact", {"value_bits": 4}, "V int4"),
     "max-no-rotation": ("max", {"value_rotation": False}, "V rotation off"),
     "max-kblock128": ("max", {"key_block_size": 128}, "K groups of 128 tokens"),
+    "max-k3": ("max", {"key_format": "int3", "key_block_size": 128}, "K int3 asymmetric in 128-token groups"),
+    "max-k3-b64-w32": ("max", {"key_format": "int3", "key_block_size": 64, "residual_length": 32},
+                       "K int3 asymmetric in 64-token groups, window 32"),
 }
 
 

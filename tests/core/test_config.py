@@ -24,7 +24,7 @@ def test_frozen():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("key_format", "int3", r"key_format must be one of \['int8', 'fp8_e4m3', 'fp8_e5m2', 'int4', 'int2'\], got 'int3'"),
+    ("key_format", "int5", r"key_format must be one of \['int8', 'fp8_e4m3', 'fp8_e5m2', 'int4', 'int3', 'int2'\], got 'int5'"),
     ("value_bits", 7, r"value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
     ("value_bits", True, r"value_bits must be one of \[2, 3, 4, 5, 6, 8\], got True"),
     ("key_granularity", "row", r"key_granularity must be one of \['channel', 'token', 'tensor'\]"),
