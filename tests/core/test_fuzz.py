@@ -57,6 +57,7 @@ PRESET_COMBOS = [
     ("int8", True, False, 4, True, 3, True),    # balanced, calibrated
     ("int4", False, False, 3, True, 3, False),  # compact
     ("int2", False, False, 2, True, 0, False),  # max
+    ("int3", False, False, 2, True, 3, False),  # 3-bit keys (max candidate)
     ("int8", True, False, 3, False, 0, False),  # 3-bit values unrotated
     ("int4", True, False, 5, False, 3, True),   # 5-bit values, calibrated int4 keys
     ("int8", True, True, 4, False, 3, False),   # rotated keys (ablation)
