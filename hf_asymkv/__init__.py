@@ -7,7 +7,9 @@ The public names below come from the core (:mod:`hf_asymkv.core`) and are import
 transformers until something needs them. The tools live in their own subpackages.
 
 - :class:`AsymKVCache`: the ``transformers.Cache``; :class:`AsymKVConfig`: its settings, one frozen object.
-- :data:`KEY_FORMATS`, :data:`VALUE_BITS`, :data:`OVERFLOW_POLICIES`: the values those settings accept.
+- :data:`KEY_FORMATS`, :data:`VALUE_BITS`, :data:`OVERFLOW_POLICIES`: the values those settings accept;
+  :data:`PRESETS`: named settings (``AsymKVCache.from_preset``); :func:`cache_kwargs`: the cache keyword of the
+  installed transformers.
 - :class:`KVScales`: calibrated K/V ranges (``kv_scales.safetensors``); :class:`AsymKVLayer`, :class:`QuantSpec`:
   one layer's storage and one tensor's quantization spec; :func:`register_attention`: the fused attention.
 """
@@ -25,6 +27,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names load on first 
     from .core.compat import cache_kwargs
     from .core.config import KEY_FORMATS, OVERFLOW_POLICIES, VALUE_BITS, AsymKVConfig
     from .core.layer import AsymKVLayer
+    from .core.presets import PRESETS
     from .core.quant import QuantSpec
     from .core.scales import KVScales
 
@@ -36,6 +39,7 @@ _PUBLIC = {
     "KEY_FORMATS": ("config", "KEY_FORMATS"),
     "KVScales": ("scales", "KVScales"),
     "OVERFLOW_POLICIES": ("config", "OVERFLOW_POLICIES"),
+    "PRESETS": ("presets", "PRESETS"),
     "QuantSpec": ("quant", "QuantSpec"),
     "VALUE_BITS": ("config", "VALUE_BITS"),
     "cache_kwargs": ("compat", "cache_kwargs"),

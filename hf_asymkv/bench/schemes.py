@@ -3,8 +3,8 @@
 Each scheme is a factory ``config -> Cache``. transformers' own caches sit beside ours: ``dynamic`` (full
 precision), ``hf-quanto-int4``/``hf-quanto-int2`` (`QuantizedCache` with optimum-quanto, re-quantizes its
 history at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill). The
-peers' formats (vLLM, llama.cpp, KIVI), emulated in :mod:`.peers`, are registered under their names too, and
-``preset:<name>`` for every entry of ``hf_asymkv.PRESETS`` when the package defines it.
+presets (``hf_asymkv.PRESETS``) are ``asymkv-<preset name>``; the peers' formats (vLLM, llama.cpp, KIVI),
+emulated in :mod:`.peers`, are registered under their names.
 """
 
 from __future__ import annotations
@@ -87,6 +87,21 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
 }
 
+# The presets (hf_asymkv.PRESETS, which a test holds equal to this list) by their scheme names, named here so that
+# the CLI can list and check names without importing torch.
+PRESET_NAMES = ("quality", "balanced", "compact", "max")
+
+
+def _preset(name: str) -> Factory:
+    def build(config: PreTrainedConfig) -> AsymKVCache:
+        from ..core.cache import AsymKVCache
+
+        return AsymKVCache.from_preset(name, config)
+    return build
+
+
+SCHEMES.update({f"asymkv-{name}": (f"ours, preset {name!r} (hf_asymkv.PRESETS)", _preset(name))
+                for name in PRESET_NAMES})
 
 # The peers' emulations (hf_asymkv.bench.peers.PEERS, which a test holds equal to this list), named here so
 # that the CLI can list and check names without importing torch.

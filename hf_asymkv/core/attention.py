@@ -8,7 +8,9 @@ instead and this module's attention never builds dense K or V for the quantized 
 - keys (scales per block and channel, i.e. ``channel``/``tensor`` granularity): the scale is folded into the
   query, ``q . (s * c) = (q * s) . c``, one small matmul per block against the raw codes;
 - values (per-token scale and zero): they are folded into the attention weights,
-  ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``.
+  ``sum_t p_t (s_t c_t + z_t) = (p * s) @ c + p @ z``; rotated values (``V H`` stored) are mixed as stored and
+  only the mixed output is rotated back, ``(p @ V H) H^T``: one ``[q, D] x [D, D]`` product per head; rotated
+  keys (an ablation) meet the rotated query, ``q . k = (q H) . (k H)``.
 
 What it materializes, per layer and call: the quantized region's codes converted to float32 (``[B, H, N, D]``
 for K and for V: as large as a float32 copy of that region; PyTorch has no int8 x float matmul on CPU), the
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .quant import QuantSpec, decode_codes, dequantize
+from .rotation import dequantize_rotated, rotate, unrotate
 
 __all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention",
            "register"]
@@ -47,7 +50,7 @@ class QuantizedKV:
         prefix: ``[B, H, ns, D]`` exact sink tokens, or None.
         codes: ``[B, H, N, packed_dim]`` codes of the quantized region (N may be 0).
         scale, zero: ``[B, H, N // tg, D // cg]`` (zero None for symmetric specs).
-        spec, block_size: how the codes were made.
+        spec, block_size: how the codes were made (``spec.rotated``: the codes hold ``x @ H``).
         tail: ``[B, H, m, D]`` exact recent tokens (those quantized in this very call included).
     """
 
@@ -97,8 +100,9 @@ class QuantizedKV:
         if ns:
             out[:, :, :ns] = self.prefix
         if n:
-            dequantize(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
-                       out=out[:, :, ns : ns + n])
+            read = dequantize_rotated if self.spec.rotated else dequantize
+            read(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
+                 out=out[:, :, ns : ns + n])
         out[:, :, ns + n :] = self.tail
         return out
 
@@ -195,7 +199,8 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     k_pre, k_tail = _parts(key)
     v_pre, v_tail = _parts(value)
     n = key.codes.shape[2]
-    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q, key) if n else q[..., :0],
+    q_codes = rotate(q).to(work) if key.spec.rotated else q  # rotated keys: q . k = (q H) . (k H)
+    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q_codes, key) if n else q[..., :0],
                         q @ k_tail.to(work).transpose(-1, -2)], dim=-1)  # [B, H, n_rep*q, kv]
     bias = _mask_bias(attention_mask, b, h, n_rep, q_len, scores.shape[-1], work, query.device)
     if bias is not None:
@@ -203,8 +208,9 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     p = scores.softmax(dim=-1)
     ns = k_pre.shape[2]
     out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n :] @ v_tail.to(work)
-    if n:
-        out += _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
+    if n:  # rotated values: mix the rotated codes, rotate the [B, H, n_rep*q, D] result back (cheaper than V)
+        mixed = _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
+        out += unrotate(mixed) if value.spec.rotated else mixed
     dv = out.shape[-1]
     return out.view(b, h, n_rep, q_len, dv).reshape(b, hq, q_len, dv).transpose(1, 2).to(query.dtype).contiguous()
 

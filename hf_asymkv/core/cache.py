@@ -133,9 +133,12 @@ class AsymKVCache(Cache):
         self.cache_config = cache_config.resolved(head_dims)
 
         if key_absmax is not None:
-            if self.cache_config.key_granularity != "channel":
-                raise ValueError("calibrated key ranges need key_granularity='channel', "
-                                 f"got {self.cache_config.key_granularity!r}.")
+            c = self.cache_config
+            if c.key_granularity != "channel" or not c.key_symmetric or c.key_rotation:
+                raise ValueError("calibrated key ranges are symmetric per-channel scales of unrotated keys: they need "
+                                 "key_granularity='channel', key_symmetric=True and key_rotation=False, got "
+                                 f"{c.key_granularity!r}, key_symmetric={c.key_symmetric}, key_rotation="
+                                 f"{c.key_rotation} (drop the scales, or override those settings).")
             if scales is not None:  # a scales file covers every layer with KV; we use the full-attention ones
                 key_absmax = {i: k for i, k in key_absmax.items() if i in full}
             bad = sorted(set(key_absmax) - set(full))
@@ -231,6 +234,30 @@ class AsymKVCache(Cache):
                              f"got {type(config).__name__}.")
         scales, cache_config = load_published(dir_or_repo_id, config, revision=revision, token=token)
         return cls(config, cache_config, scales=scales, **overrides)
+
+    @classmethod
+    def from_preset(cls, name: str, config: PreTrainedConfig, **overrides) -> AsymKVCache:
+        """A cache with the settings of preset ``name`` (:data:`hf_asymkv.PRESETS`), ``overrides`` applied on top.
+
+        Args:
+            name: ``"quality"``, ``"balanced"``, ``"compact"`` or ``"max"`` (see the README's "Presets").
+            config: the model config (``model.config``).
+            **overrides: ``AsymKVConfig`` settings, ``scales=`` or ``key_absmax=`` (calibrated key ranges apply to
+                symmetric per-channel keys only; ``compact`` and ``max`` refuse them).
+
+        Raises:
+            ValueError: an unknown preset (the message lists the valid names) or an invalid override.
+
+        Example::
+
+            cache = AsymKVCache.from_preset("compact", model.config)
+        """
+        from .presets import preset_config
+
+        extra = {k: overrides.pop(k) for k in ("scales", "key_absmax") if k in overrides}
+        if "cache_config" in overrides:
+            raise ValueError("from_preset builds the cache_config from the preset; pass single settings as overrides.")
+        return cls(config, preset_config(name, **overrides), **extra)
 
     def _build_layers(self, text_config, types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
         # What DynamicCache builds for this config (one layer per layer type): reused for every layer we do not

@@ -20,16 +20,19 @@ from .quant import GRANULARITIES, QuantSpec
 
 __all__ = ["AsymKVConfig", "CONFIG_VERSION", "KEY_FORMATS", "OVERFLOW_POLICIES", "VALUE_BITS"]
 
-KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2")
-"""Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/2-bit for ablations and presets."""
-VALUE_BITS = (2, 4, 8)
-"""Value code widths (asymmetric integer, scale + zero per group, unless ``value_symmetric``)."""
+KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int3", "int2")
+"""Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/3/2-bit for ablations and presets."""
+VALUE_BITS = (2, 3, 4, 5, 6, 8)
+"""Value code widths (asymmetric integer, scale + zero per group, unless ``value_symmetric``); 3, 5 and 6 bits
+are packed as two bit-plane sets (exactly ``bits / 8`` bytes per value)."""
 OVERFLOW_POLICIES = ("widen", "clip", "error")
 """What a calibrated layer does with a key beyond its range: widen that block's scale (counted), saturate
 (counted), or raise ``ValueError``."""
-CONFIG_VERSION = 1
-"""Version of the dict form written by :meth:`AsymKVConfig.to_dict`."""
-SUPPORTED_CONFIG_VERSIONS = (1,)
+CONFIG_VERSION = 2
+"""Version of the dict form written by :meth:`AsymKVConfig.to_dict` (2 added ``key_symmetric``,
+``key_rotation`` and ``value_rotation``; a version-1 dict reads with their defaults, which are version 1's
+behaviour)."""
+SUPPORTED_CONFIG_VERSIONS = (1, 2)
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -58,6 +61,13 @@ class AsymKVConfig:
         key_group_size: channels per K scale for ``key_granularity="token"`` (``None``: head_dim).
         value_granularity: ``"token"`` (default), ``"channel"`` or ``"tensor"`` (baselines).
         value_symmetric: symmetric V codes (the symmetric K4V4 baseline); default asymmetric.
+        key_symmetric: symmetric K codes (default). ``False``: scale and zero per (channel, block), KIVI-style,
+            for the low-bit integer key formats; calibrated key ranges need ``True``.
+        value_rotation: store V rotated by an orthonormal Hadamard matrix along head_dim
+            (:mod:`~hf_asymkv.core.rotation`) before quantizing; reads rotate back (the fused attention rotates
+            only its output). Exact sinks and window stay unrotated.
+        key_rotation: the same for K (an ablation: it spreads the per-channel outliers that the per-channel
+            scales exist for; not used by any preset, and refused with calibrated key ranges).
         overflow_policy: one of :data:`OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
@@ -76,6 +86,9 @@ class AsymKVConfig:
     key_group_size: int | None = None
     value_granularity: str = "token"
     value_symmetric: bool = False
+    key_symmetric: bool = True
+    value_rotation: bool = False
+    key_rotation: bool = False
     overflow_policy: str = "widen"
     growth_factor: float = 1.25
     max_growth_tokens: int = 256
@@ -86,8 +99,12 @@ class AsymKVConfig:
         _check_choice("key_granularity", self.key_granularity, GRANULARITIES)
         _check_choice("value_granularity", self.value_granularity, GRANULARITIES)
         _check_choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
-        if not isinstance(self.value_symmetric, bool):
-            raise ValueError(f"value_symmetric must be True or False, got {self.value_symmetric!r}.")
+        for name in ("value_symmetric", "key_symmetric", "value_rotation", "key_rotation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if not self.key_symmetric and self.key_format.startswith("fp8"):
+            raise ValueError(f"key_symmetric=False needs an integer key_format, got {self.key_format!r} (float "
+                             "formats are symmetric).")
         _check_int("key_block_size", self.key_block_size, 1)
         _check_int("residual_length", self.residual_length, 0)
         _check_int("sink_tokens", self.sink_tokens, 0)
@@ -122,7 +139,7 @@ class AsymKVConfig:
         return dataclasses.asdict(self)
 
     def to_dict(self) -> dict:
-        """``{"config_version": 1, <every field>}``: what ``asymkv_config.json`` stores."""
+        """``{"config_version": CONFIG_VERSION, <every field>}``: what ``asymkv_config.json`` stores."""
         return {"config_version": CONFIG_VERSION, **self.settings()}
 
     @classmethod
@@ -168,16 +185,19 @@ class AsymKVConfig:
         return dataclasses.replace(self, value_group_size=value_group, key_group_size=key_group)
 
     def key_spec(self) -> QuantSpec:
-        """Keys: symmetric, bf16 scales (a resolved config: group sizes set)."""
-        return QuantSpec(self.key_format, self.key_granularity, self.key_group_size, True, torch.bfloat16)
+        """Keys: symmetric unless ``key_symmetric=False``, bf16 scales (a resolved config: group sizes set)."""
+        return QuantSpec(self.key_format, self.key_granularity, self.key_group_size, self.key_symmetric,
+                         torch.bfloat16, rotated=self.key_rotation)
 
     def value_spec(self) -> QuantSpec:
         """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero."""
         return QuantSpec(f"int{self.value_bits}", self.value_granularity, self.value_group_size,
-                         self.value_symmetric, torch.float16)
+                         self.value_symmetric, torch.float16, rotated=self.value_rotation)
 
     def describe(self) -> str:
         """One line for ``repr`` and logs."""
-        return (f"K={self.key_format}/{self.key_granularity}, V=int{self.value_bits}/{self.value_granularity}"
-                f"(g={self.value_group_size}), block={self.key_block_size}, window={self.residual_length}, "
-                f"sinks={self.sink_tokens}")
+        key = f"K={self.key_format}{'' if self.key_symmetric else '-asym'}/{self.key_granularity}"
+        value = f"V=int{self.value_bits}/{self.value_granularity}(g={self.value_group_size})"
+        rotated = [kind for kind, on in (("K", self.key_rotation), ("V", self.value_rotation)) if on]
+        return (f"{key}, {value}, block={self.key_block_size}, window={self.residual_length}, "
+                f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else ""))

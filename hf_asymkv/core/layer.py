@@ -61,7 +61,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
 
     Raises:
         ValueError: a calibrated ``key_absmax`` with a key spec that is not symmetric per channel (the calibrated
-            range is a symmetric per-channel scale), or an unknown ``overflow_policy``.
+            range is a symmetric per-channel scale of unrotated keys), or an unknown ``overflow_policy``.
     """
 
     is_sliding = False
@@ -87,6 +87,9 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
             raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
                              f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
                              f"symmetric={key_spec.symmetric}.")
+        if key_absmax is not None and key_spec.rotated:
+            raise ValueError("a calibrated key range (key_absmax) holds ranges of unrotated key channels: it needs a key "
+                             "spec with rotated=False (key_rotation=False), got rotated=True.")
         if overflow_policy not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow_policy must be one of {list(OVERFLOW_POLICIES)}, got {overflow_policy!r}.")
         self.return_views = return_views

@@ -33,6 +33,7 @@ __all__ = [
     "decode_codes",
     "needs_wider_metadata",
     "pack_bits",
+    "plane_widths",
     "unpack_bits",
     "sqnr_db",
 ]
@@ -40,7 +41,10 @@ __all__ = [
 # name -> (bits, is_float). Float formats map onto torch's float8 dtypes.
 FORMATS: dict[str, tuple[int, bool]] = {
     "int8": (8, False),
+    "int6": (6, False),
+    "int5": (5, False),
     "int4": (4, False),
+    "int3": (3, False),
     "int2": (2, False),
     "fp8_e4m3": (8, True),
     "fp8_e5m2": (8, True),
@@ -64,6 +68,9 @@ class QuantSpec:
             codes are computed against the stored values, so rounding the metadata never clips (as long as the
             range fits: a scale or zero beyond ``scale_dtype``'s finite range is clamped to it, e.g. |x| above
             ~65504 * qmax with float16 scales, and the elements past it saturate).
+        rotated: the codes hold ``x @ H`` (an orthonormal Hadamard rotation along ``head_dim``, see
+            :mod:`hf_asymkv.core.rotation`), not ``x``; whoever stores or reads them applies ``H`` / ``H^T``. The
+            functions of this module quantize whatever they are given and ignore it.
     """
 
     fmt: str
@@ -71,6 +78,7 @@ class QuantSpec:
     group_size: int | None = None
     symmetric: bool = True
     scale_dtype: torch.dtype = torch.float16
+    rotated: bool = False
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -115,10 +123,12 @@ class QuantSpec:
 
     def packed_dim(self, head_dim: int) -> int:
         """Size of the last axis of the stored codes (sub-byte codes are packed along ``head_dim``)."""
-        per_byte = 8 // self.bits
-        if head_dim % per_byte:
-            raise ValueError(f"head_dim={head_dim} must be a multiple of {per_byte} to pack {self.bits}-bit codes.")
-        return head_dim // per_byte
+        if self.is_float or self.bits == 8:
+            return head_dim
+        multiple = 8 // min(plane_widths(self.bits))
+        if head_dim % multiple:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {multiple} to pack {self.bits}-bit codes.")
+        return head_dim * self.bits // 8
 
 
 def _grouped(x: torch.Tensor, tg: int, cg: int) -> torch.Tensor:
@@ -298,38 +308,67 @@ def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = t
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored codes -> the integer (or fp8) code values in ``dtype``, before scale and zero: ``[B, H, T, D]``.
 
-    Sub-byte planes (:func:`pack_bits`) are shifted, masked and converted straight into contiguous slices of
-    ``out``; symmetric sub-byte codes get their storage offset removed. Integers up to 8 bits are exact in
-    every float dtype.
+    Every bit-plane (:func:`pack_bits`) is one shift-and-mask of the packed bytes, converted straight into a
+    contiguous slice of ``out``: copied for the low bits, added with its weight (``2**shift``) for the high bits
+    of 3, 5 and 6-bit codes. Symmetric sub-byte codes get their storage offset removed. Integers up to 8 bits
+    are exact in every float dtype.
     """
-    per_byte = 1 if spec.is_float else 8 // spec.bits
-    b, h, t, packed = codes.shape
+    b, h, t, _ = codes.shape
+    head_dim = codes.shape[-1] if spec.is_float or spec.bits == 8 else codes.shape[-1] * 8 // spec.bits
     if out is None:
-        out = torch.empty(b, h, t, packed * per_byte, dtype=dtype, device=codes.device)
-    if per_byte == 1:
+        out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
+    if spec.is_float or spec.bits == 8:
         return out.copy_(codes)
-    mask = (1 << spec.bits) - 1
-    for j in range(per_byte):
-        plane = codes >> (j * spec.bits) if j else codes
-        out[..., j * packed : (j + 1) * packed].copy_(plane & mask if j < per_byte - 1 else plane)
+    start, shift = 0, 0
+    for width in plane_widths(spec.bits):
+        per_byte, size = 8 // width, head_dim * width // 8
+        part = codes[..., start : start + size]
+        mask = (1 << width) - 1
+        for j in range(per_byte):
+            plane = part >> (j * width) if j else part
+            plane = plane & mask if j < per_byte - 1 else plane
+            dest = out[..., j * size : (j + 1) * size]
+            if shift:
+                dest.add_(plane, alpha=1 << shift)
+            else:
+                dest.copy_(plane)
+        start, shift = start + size, shift + width
     if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
         out.sub_(2 ** (spec.bits - 1))
     return out
 
 
+def plane_widths(bits: int) -> tuple[int, ...]:
+    """How ``bits``-wide codes are split for packing: widths that divide 8, low bits first (3 -> (2, 1))."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"codes must be 1 to 8 bits wide, got {bits}.")
+    return tuple(w for w in (4, 2, 1) if bits & w) if 8 % bits else (bits,)
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-wide codes (``uint8`` in ``[0, 2**bits)``) along the last axis, in bit-planes.
 
-    With ``P = D * bits // 8``, byte ``i`` holds element ``i + j*P`` in bits ``[j*bits, (j+1)*bits)``: plane
-    ``j`` (channels ``[j*P, (j+1)*P)``) is one shift-and-mask away from a contiguous slice, so decoding writes
-    each plane into a contiguous slice of the output instead of interleaving nibbles.
+    For widths that divide 8 (1, 2, 4), with ``P = D * bits // 8``, byte ``i`` holds
+    element ``i + j*P`` in bits ``[j*bits, (j+1)*bits)``: plane ``j`` (channels ``[j*P, (j+1)*P)``) is one shift-and-mask away from a
+    contiguous slice, so decoding writes each plane into a contiguous slice of the output instead of
+    interleaving nibbles. Other widths are split into such parts (:func:`plane_widths`, e.g. 3 = 2 + 1: the low
+    2 bits of every code packed 4 per byte, then the high bit packed 8 per byte), concatenated along the last
+    axis: still exactly ``D * bits / 8`` bytes.
 
     Args:
-        codes: ``[..., D]`` uint8 with ``D`` a multiple of ``8 // bits``.
+        codes: ``[..., D]`` uint8 with ``D`` a multiple of ``8 // min(plane_widths(bits))``.
 
     Returns:
         ``[..., D * bits // 8]`` uint8.
     """
+    widths = plane_widths(bits)
+    if len(widths) > 1:
+        parts, shift = [], 0
+        for w in widths:
+            part = (codes >> shift) if shift else codes
+            parts.append(pack_bits(part & ((1 << w) - 1), w))
+            shift += w
+        return torch.cat(parts, dim=-1)
     per_byte = 8 // bits
     planes = codes.reshape(*codes.shape[:-1], per_byte, codes.shape[-1] // per_byte)
     out = planes[..., 0, :].clone()
@@ -340,6 +379,16 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``[..., P]`` uint8 -> ``[..., P * 8 // bits]`` uint8."""
+    widths = plane_widths(bits)
+    if len(widths) > 1:
+        head_dim = packed.shape[-1] * 8 // bits
+        out, start, shift = None, 0, 0
+        for w in widths:
+            size = head_dim * w // 8
+            part = unpack_bits(packed[..., start : start + size], w)
+            out = part if out is None else out.bitwise_or_(part << shift)
+            start, shift = start + size, shift + w
+        return out
     mask = (1 << bits) - 1
     return torch.cat([(packed >> (j * bits)) & mask for j in range(8 // bits)], dim=-1)
 

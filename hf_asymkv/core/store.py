@@ -20,6 +20,7 @@ import torch
 
 from .attention import QuantizedKV
 from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metadata, quantize
+from .rotation import dequantize_rotated, rotate
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
 
@@ -118,7 +119,8 @@ class QuantizedBlocks:
         """Quantize ``[B, H, m, D]`` (m a multiple of ``block_size``) once and append it.
 
         Non-finite elements are stored as documented in :func:`~hf_asymkv.core.quant.quantize` (NaN as 0,
-        +-inf as the group's extremes) and counted.
+        +-inf as the group's extremes) and counted; a rotated spec stores them as 0 (rotating an inf would
+        spread it over the token's every channel).
 
         Args:
             scale: a precomputed (calibrated) symmetric scale ``[B, H, m // tg, D // cg]`` made with the spec
@@ -127,6 +129,9 @@ class QuantizedBlocks:
         Returns:
             the number of non-finite elements in ``x``.
         """
+        nonfinite = int((~torch.isfinite(x)).sum())
+        if self.spec.rotated:
+            x = rotate(torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) if nonfinite else x)
         self.fit(x)
         zero = None
         if scale is None:
@@ -137,7 +142,7 @@ class QuantizedBlocks:
         for buf, meta in ((self.scales, scale), (self.zeros, zero)):
             if meta is not None:  # metadata rows per token: 1 / token_group
                 buf.append(meta, self.growth_factor, 1, max(1, self.max_step * meta.shape[2] // m))
-        return int((~torch.isfinite(x)).sum())
+        return nonfinite
 
     def parts(self, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(codes, scales, zeros)`` of the first ``n`` quantized tokens (views)."""
@@ -146,12 +151,13 @@ class QuantizedBlocks:
         return self.codes.live[:, :, :n], self.scales.live[:, :, :rows], zeros
 
     def decode(self, start: int, stop: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantize tokens ``[start, stop)`` (block-aligned): ``[B, H, stop - start, head_dim]``."""
+        """Dequantize tokens ``[start, stop)`` (block-aligned), rotated back: ``[B, H, stop - start, head_dim]``."""
         tg = self.token_group(head_dim)
         r0, r1 = start // tg, stop // tg
         zeros = self.zeros.live[:, :, r0:r1] if self.zeros.length else None
-        return dequantize(self.codes.live[:, :, start:stop], self.scales.live[:, :, r0:r1], zeros, self.spec,
-                          self.block_size, dtype=dtype)
+        read = dequantize_rotated if self.spec.rotated else dequantize
+        return read(self.codes.live[:, :, start:stop], self.scales.live[:, :, r0:r1], zeros, self.spec,
+                    self.block_size, dtype=dtype)
 
     def truncate(self, n: int, head_dim: int) -> None:
         """Keep the first ``n`` (block-aligned) tokens."""

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from hf_asymkv import AsymKVCache, AsymKVLayer, cache_kwargs
+from hf_asymkv import PRESETS, AsymKVCache, AsymKVLayer, cache_kwargs
 from hf_asymkv.core.compat import (DUMMY_LAYER_CLASSES, DYNAMIC_CACHE_RESET_EMPTIES, GENERATE_RECORDS_PAST,
                                    crop_tokens_to_remove)
 
@@ -490,7 +490,9 @@ def _config_with_layer_types(config: PreTrainedConfig, types: str) -> PreTrained
 
 _BAD_ARGS = {
     "key_format": (dict(key_format="int7"), ["key_format", "'int7'", "int8", "fp8_e4m3", "fp8_e5m2"]),
-    "value_bits": (dict(value_bits=3), ["value_bits", "3", "[2, 4, 8]"]),
+    "value_bits": (dict(value_bits=7), ["value_bits", "7", "[2, 3, 4, 5, 6, 8]"]),
+    "value_rotation": (dict(value_rotation="yes"), ["value_rotation", "'yes'", "True or False"]),
+    "key_symmetric_fp8": (dict(key_format="fp8_e4m3", key_symmetric=False), ["key_symmetric=False", "'fp8_e4m3'"]),
     "value_group_size": (dict(value_group_size=5), ["value_group_size", "5", "head_dim=16", "[1, 2, 4, 8, 16]"]),
     "value_group_size_zero": (dict(value_group_size=0), ["value_group_size", "0"]),
     "residual_length": (dict(residual_length=-1), ["residual_length", "-1", ">= 0"]),
@@ -534,3 +536,36 @@ def test_value_group_size_default_divides_head_dim(llama):
     assert AsymKVCache(cfg).settings["value_group_size"] == 80
     cfg.head_dim = 256
     assert AsymKVCache(cfg).settings["value_group_size"] == 128
+
+
+# ---------------------------------------------------------------------------------------------- presets
+# Per preset: (top-1 floor, KL ceiling) in teacher-forced greedy with the small window, ~5x looser than measured.
+_PRESET_BOUNDS = {"quality": (0.9, 1e-3), "balanced": (0.85, 5e-3), "compact": (0.7, 3e-2), "max": (0.4, 0.2)}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+@pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
+def test_presets_run_every_mode(request, model, mode, preset, ctx):
+    """Every preset's formats (rotated values, 3/6-bit codes, asymmetric low-bit keys) through every decoding mode,
+    with the small window and blocks so that they really quantize, roll back and copy."""
+    ref = _reference(request.node.callspec.params["model"], mode, model, ctx)
+    run = MODES[mode](model, lambda: AsymKVCache.from_preset(preset, model.config, **SMALL), ctx)
+    assert run.sequences.shape == ref.sequences.shape
+    for got, want in run.must_match:
+        assert torch.equal(got, want)
+    for cache, ref_cache in zip(run.caches, ref.caches):
+        assert cache.get_seq_length() == ref_cache.get_seq_length() > 0
+        assert cache.stats()["tokens_quantized"] > 0
+        assert cache.cache_config.value_bits == PRESETS[preset].value_bits
+        _check_bookkeeping(cache)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+@pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
+def test_presets_greedy_close_to_dynamic(request, model, ctx, preset):
+    ref, exact = exact_teacher_forced(request.node.callspec.params["model"], model, ctx)
+    cache = AsymKVCache.from_preset(preset, model.config, **SMALL)
+    top1, kl = closeness(exact, teacher_forced_logits(model, ref.sequences, cache, PROMPT_LEN))
+    floor, ceiling = _PRESET_BOUNDS[preset]
+    assert top1 >= floor and kl < ceiling, (top1, kl)

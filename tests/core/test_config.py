@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from hf_asymkv import KEY_FORMATS, VALUE_BITS, AsymKVCache, AsymKVConfig
+from hf_asymkv import KEY_FORMATS, PRESETS, VALUE_BITS, AsymKVCache, AsymKVConfig
 
 from conftest import llama_config
 
@@ -24,13 +24,16 @@ def test_frozen():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("key_format", "int3", r"key_format must be one of \['int8', 'fp8_e4m3', 'fp8_e5m2', 'int4', 'int2'\], got 'int3'"),
-    ("value_bits", 3, r"value_bits must be one of \[2, 4, 8\], got 3"),
-    ("value_bits", True, r"value_bits must be one of \[2, 4, 8\], got True"),
+    ("key_format", "int5", r"key_format must be one of \['int8', 'fp8_e4m3', 'fp8_e5m2', 'int4', 'int3', 'int2'\], got 'int5'"),
+    ("value_bits", 7, r"value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
+    ("value_bits", True, r"value_bits must be one of \[2, 3, 4, 5, 6, 8\], got True"),
     ("key_granularity", "row", r"key_granularity must be one of \['channel', 'token', 'tensor'\]"),
     ("value_granularity", None, "value_granularity must be one of"),
     ("overflow_policy", "ignore", r"overflow_policy must be one of \['widen', 'clip', 'error'\]"),
     ("value_symmetric", 1, "value_symmetric must be True or False, got 1"),
+    ("key_symmetric", "no", "key_symmetric must be True or False, got 'no'"),
+    ("value_rotation", 1, "value_rotation must be True or False, got 1"),
+    ("key_rotation", None, "key_rotation must be True or False, got None"),
     ("key_block_size", 0, "key_block_size must be an int >= 1, got 0"),
     ("key_block_size", 8.0, "key_block_size must be an int >= 1, got 8.0"),
     ("residual_length", -1, "residual_length must be an int >= 0, got -1"),
@@ -63,8 +66,26 @@ def test_replace_validates():
 def test_dict_round_trip_through_json():
     c = AsymKVConfig(key_format="fp8_e4m3", value_bits=2, sink_tokens=4, value_group_size=32)
     d = json.loads(json.dumps(c.to_dict()))
-    assert d["config_version"] == 1
+    assert d["config_version"] == 2
     assert AsymKVConfig.from_dict(d) == c
+
+
+@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+def test_presets_round_trip_through_json(preset):
+    c = PRESETS[preset]
+    assert AsymKVConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_version_1_dicts_read_with_the_new_fields_off():
+    """A version-1 ``asymkv_config.json`` (no key_symmetric / rotation fields) keeps its old meaning."""
+    c = AsymKVConfig.from_dict({"config_version": 1, "key_format": "int8", "value_bits": 4, "sink_tokens": 4})
+    assert (c.key_symmetric, c.value_rotation, c.key_rotation) == (True, False, False)
+    assert c == AsymKVConfig(sink_tokens=4)
+
+
+def test_asymmetric_keys_need_an_integer_format():
+    with pytest.raises(ValueError, match="key_symmetric=False needs an integer key_format, got 'fp8_e4m3'"):
+        AsymKVConfig(key_format="fp8_e4m3", key_symmetric=False)
 
 
 def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
@@ -74,10 +95,10 @@ def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
 
 @pytest.mark.parametrize("data, message", [
     ([1], "settings must be a JSON object, got list"),
-    ({"config_version": 2}, r"settings: config_version 2 is not supported \(supported: \[1\]\); upgrade hf-asymkv"),
+    ({"config_version": 3}, r"settings: config_version 3 is not supported \(supported: \[1, 2\]\); upgrade hf-asymkv"),
     ({"window": 8}, r"settings: unknown AsymKVCache settings \['window'\]"),
     ({"residual_length": [8]}, "settings: setting 'residual_length' must be a JSON scalar"),
-    ({"value_bits": 5}, r"settings: value_bits must be one of \[2, 4, 8\], got 5"),
+    ({"value_bits": 7}, r"settings: value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
 ], ids=["not-object", "future-version", "unknown", "not-scalar", "bad-value"])
 def test_from_dict_names_the_problem(data, message):
     with pytest.raises(ValueError, match=message):

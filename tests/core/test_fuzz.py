@@ -3,7 +3,8 @@
 A hypothesis ``RuleBasedStateMachine`` drives one :class:`AsymKVLayer` (and, below, a whole
 :class:`AsymKVCache`) through updates of 1..300 tokens, crops, beam reorders, batch selects and repeats,
 deep copies, resets and past recording switched on and off, for every key format x value bits x sinks x
-calibrated/uncalibrated. After every step:
+calibrated/uncalibrated, plus the preset formats (asymmetric low-bit keys, 3/5/6-bit values, Hadamard-rotated
+values or keys). After every step:
 
 - lengths and mask sizes agree with the reference;
 - sinks are bit-exact, and so are the newest ``min(length, residual_length)`` tokens, except tokens a rollback
@@ -22,8 +23,9 @@ On failure hypothesis prints the falsifying steps, and ``conftest.py`` the sessi
 from __future__ import annotations
 
 import copy
-import os
+import dataclasses
 import itertools
+import os
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hf_asymkv import AsymKVCache, AsymKVConfig, AsymKVLayer
 from hf_asymkv.core.attention import QuantizedKV, fused_attention
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
+from hf_asymkv.core.rotation import hadamard, rotate
 
 from conftest import llama_config
 
@@ -48,6 +51,19 @@ KEY_FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2", "int4"]
 VALUE_BITS = [2, 4, 8]
 COMBOS = list(itertools.product(KEY_FORMATS, VALUE_BITS, [0, 3], [False, True]))
 COMBO_IDS = [f"K{k}-V{v}-sinks{s}-{'calib' if c else 'dyn'}" for k, v, s, c in COMBOS]
+# The preset formats: (key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks, calibrated)
+PRESET_COMBOS = [
+    ("int8", True, False, 6, True, 3, False),   # quality
+    ("int8", True, False, 4, True, 3, True),    # balanced, calibrated
+    ("int4", False, False, 3, True, 3, False),  # compact
+    ("int2", False, False, 2, True, 0, False),  # max
+    ("int3", False, False, 2, True, 3, False),  # 3-bit keys (max candidate)
+    ("int8", True, False, 3, False, 0, False),  # 3-bit values unrotated
+    ("int4", True, False, 5, False, 3, True),   # 5-bit values, calibrated int4 keys
+    ("int8", True, True, 4, False, 3, False),   # rotated keys (ablation)
+]
+PRESET_IDS = [f"K{k}{'' if ks else '-asym'}{'-rot' if kr else ''}-V{v}{'-rot' if vr else ''}-sinks{s}-"
+              f"{'calib' if c else 'dyn'}" for k, ks, kr, v, vr, s, c in PRESET_COMBOS]
 
 
 # ------------------------------------------------------------------------------------------------ error bounds
@@ -67,11 +83,23 @@ def error_bound(ref: torch.Tensor, spec: QuantSpec, block: int, key_absmax: torc
     Keys (symmetric, one scale per block and channel): ``amax / qmax / 2`` for integers; for float8, the format's
     relative rounding of each element, with its subnormal floor. Values (asymmetric, one scale and zero per
     token group): half a step of the group's range. Metadata rounding (scales up, zeros down, into bf16/fp16)
-    widens each bound by a small factor.
+    widens each bound by a small factor. Asymmetric keys: half a step of the block's (min, max) per channel.
+    Rotated specs: the bound of the rotated reference, carried back through ``|H|`` (an error of at most
+    ``e_i`` on rotated channel i is at most ``sum_i e_i |H_ji|`` on channel j), plus float32 rotation rounding.
     """
     x = torch.nan_to_num(ref.float())
     slack = torch.zeros_like(x) if slack is None else slack
     b, h, n, d = x.shape
+    if spec.rotated:
+        habs = hadamard(d).abs()
+        plain = dataclasses.replace(spec, rotated=False)
+        bound = error_bound(rotate(x), plain, block, key_absmax, slack @ habs) @ habs.T
+        return bound + 1e-5 * x.abs().amax(-1, keepdim=True) + 1e-7
+    if spec.granularity == "channel" and not spec.symmetric:
+        g, sg = x.view(b, h, n // block, block, d), slack.view(b, h, n // block, block, d)
+        lo, hi = (g - sg).amin(3, keepdim=True), (g + sg).amax(3, keepdim=True)
+        step = ((hi - lo + lo.abs() * 2**-7) / spec.qmax * (1 + 2**-7)).clamp(min=torch.finfo(spec.scale_dtype).tiny)
+        return (step / 2 * 1.01 + 1e-7).expand(b, h, n // block, block, d).reshape(b, h, n, d)
     if spec.granularity == "channel":
         amax = (x.abs() + slack).view(b, h, n // block, block, d).amax(dim=3, keepdim=True)
         if key_absmax is not None:  # calibrated, overflow policy "widen": the larger of the two ranges
@@ -137,6 +165,7 @@ class LayerMachine(RuleBasedStateMachine):
     sinks, calibrated."""
 
     key_format, value_bits, sinks, calibrated = "int8", 4, 0, False
+    key_symmetric, key_rotation, value_rotation = True, False, False
 
     def __init__(self) -> None:
         super().__init__()
@@ -150,7 +179,9 @@ class LayerMachine(RuleBasedStateMachine):
     @initialize(residual=st.sampled_from([0, 3, 6]), recording=st.booleans())
     def build(self, residual: int, recording: bool) -> None:
         config = AsymKVConfig(key_format=self.key_format, value_bits=self.value_bits, key_block_size=BLOCK,
-                              residual_length=residual, sink_tokens=self.sinks, max_growth_tokens=8).resolved([D])
+                              residual_length=residual, sink_tokens=self.sinks, max_growth_tokens=8,
+                              key_symmetric=self.key_symmetric, key_rotation=self.key_rotation,
+                              value_rotation=self.value_rotation).resolved([D])
         self.key_absmax = torch.rand(H, D) * 2 + 0.05 if self.calibrated else None
         self.layer = AsymKVLayer(config.key_spec(), config.value_spec(), block_size=BLOCK, residual_length=residual,
                                  sink_tokens=self.sinks, max_growth_tokens=8,
@@ -309,6 +340,16 @@ class LayerMachine(RuleBasedStateMachine):
 def test_layer_against_reference(key_format, value_bits, sinks, calibrated, single_thread):
     machine = type("Machine", (LayerMachine,), dict(key_format=key_format, value_bits=value_bits, sinks=sinks,
                                                     calibrated=calibrated))
+    run_state_machine_as_test(machine, settings=FUZZ_SETTINGS)
+
+
+@pytest.mark.parametrize("key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks, calibrated",
+                         PRESET_COMBOS, ids=PRESET_IDS)
+def test_preset_formats_against_reference(key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks,
+                                          calibrated, single_thread):
+    machine = type("Machine", (LayerMachine,), dict(
+        key_format=key_format, key_symmetric=key_symmetric, key_rotation=key_rotation, value_bits=value_bits,
+        value_rotation=value_rotation, sinks=sinks, calibrated=calibrated))
     run_state_machine_as_test(machine, settings=FUZZ_SETTINGS)
 
 

@@ -20,8 +20,10 @@ from hf_asymkv.core.quant import (
     GRANULARITIES,
     QuantSpec,
     compute_scale_zero,
+    decode_codes,
     dequantize,
     pack_bits,
+    plane_widths,
     quantize,
     scale_from_absmax,
     sqnr_db,
@@ -277,6 +279,40 @@ def test_pack_layout_is_bit_planes(bits):
             assert int(packed[row, i]) == expected
 
 
+@pytest.mark.parametrize("bits, widths", [(3, (2, 1)), (5, (4, 1)), (6, (4, 2))], ids=["3bit", "5bit", "6bit"])
+def test_pack_two_plane_widths_exhaustive(bits, widths):
+    """3/5/6-bit codes: every code value at every position round-trips, in exactly ``D * bits / 8`` bytes, as
+    the low bits packed first and the high bits after them."""
+    assert plane_widths(bits) == widths
+    d = 8 * 2**bits  # every code value at each of 8 positions mod 8
+    codes = torch.arange(d, dtype=torch.int64).remainder(2**bits).to(torch.uint8).view(1, 1, 1, d)
+    codes = torch.cat([codes, codes.flip(-1)], dim=2)  # [1, 1, 2, d]
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (1, 1, 2, d * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits), codes)
+    low = d * widths[0] // 8
+    assert torch.equal(packed[..., :low], pack_bits(codes & ((1 << widths[0]) - 1), widths[0]))
+    assert torch.equal(packed[..., low:], pack_bits(codes >> widths[0], widths[1]))
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6], ids=["3bit", "5bit", "6bit"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_two_plane_codes_decode_like_unpacked(bits, symmetric):
+    """decode_codes of 3/5/6-bit codes equals the unpacked integer codes (offset removed when symmetric)."""
+    spec = QuantSpec(f"int{bits}", "token", 16, symmetric)
+    x = torch.randn(2, 3, 5, 32, generator=torch.Generator().manual_seed(bits))
+    scale, zero = compute_scale_zero(x, spec)
+    codes = quantize(x, scale, zero, spec)
+    assert codes.shape[-1] == spec.packed_dim(32) == 32 * bits // 8
+    expected = unpack_bits(codes, bits).float() - (2 ** (bits - 1) if symmetric else 0)
+    assert torch.equal(decode_codes(codes, spec), expected)
+
+
+def test_plane_widths_refuses_out_of_range():
+    with pytest.raises(ValueError, match="codes must be 1 to 8 bits wide, got 9"):
+        plane_widths(9)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 3. Round-trip error bounds and SQNR floors on Gaussian data ([1, 2, 64, 64], block 32, group 32)
 # --------------------------------------------------------------------------------------------------------------
@@ -298,8 +334,14 @@ SEEDS = [0, 1, 2]
 SQNR_FLOOR_DB = {
     ("int8", True): {"channel": 42.5, "token": 42.5, "tensor": 37.5},
     ("int8", False): {"channel": 44.0, "token": 44.0, "tensor": 38.0},
+    ("int6", True): {"channel": 30.5, "token": 30.5, "tensor": 25.5},
+    ("int6", False): {"channel": 32.0, "token": 32.0, "tensor": 27.0},
+    ("int5", True): {"channel": 24.0, "token": 24.0, "tensor": 19.5},
+    ("int5", False): {"channel": 26.0, "token": 26.0, "tensor": 20.5},
     ("int4", True): {"channel": 17.5, "token": 17.5, "tensor": 12.5},
     ("int4", False): {"channel": 19.5, "token": 19.5, "tensor": 13.5},
+    ("int3", True): {"channel": 10.5, "token": 10.5, "tensor": 6.0},
+    ("int3", False): {"channel": 13.0, "token": 13.0, "tensor": 8.0},
     ("int2", True): {"channel": 2.0, "token": 2.0, "tensor": 0.2},
     ("int2", False): {"channel": 6.0, "token": 6.0, "tensor": 1.0},
     ("fp8_e4m3", True): {"channel": 30.0, "token": 30.0, "tensor": 29.0},
@@ -618,8 +660,8 @@ def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(fmt="int3", granularity="channel"),
-         r"'int3'.*allowed: \['fp8_e4m3', 'fp8_e5m2', 'int2', 'int4', 'int8'\]"),
+        (dict(fmt="int7", granularity="channel"),
+         r"'int7'.*allowed: \['fp8_e4m3', 'fp8_e5m2', 'int2', 'int3', 'int4', 'int5', 'int6', 'int8'\]"),
         (dict(fmt="int8", granularity="row"), r"'row'.*allowed: \['channel', 'token', 'tensor'\]"),
         (dict(fmt="int4", granularity="token"), r"'token' granularity needs a positive group_size, got None"),
         (dict(fmt="int4", granularity="token", group_size=0), r"positive group_size, got 0"),
@@ -651,13 +693,16 @@ def test_packed_dim_needs_whole_bytes():
     assert QuantSpec("int4", "channel").packed_dim(6) == 3
 
 
-@pytest.mark.parametrize(
-    "fmt,symmetric,qmax,code_dtype",
-    [("int8", True, 127, torch.int8), ("int8", False, 255, torch.uint8), ("int4", True, 7, torch.uint8),
+SPEC_PROPERTIES = [
+    ("int8", True, 127, torch.int8), ("int8", False, 255, torch.uint8), ("int4", True, 7, torch.uint8),
      ("int4", False, 15, torch.uint8), ("int2", True, 1, torch.uint8), ("int2", False, 3, torch.uint8),
-     ("fp8_e4m3", True, 448, torch.float8_e4m3fn), ("fp8_e5m2", True, 57344, torch.float8_e5m2)],
-    ids=FMT_SYM_IDS,
-)
+     ("fp8_e4m3", True, 448, torch.float8_e4m3fn), ("fp8_e5m2", True, 57344, torch.float8_e5m2),
+     ("int6", True, 31, torch.uint8), ("int6", False, 63, torch.uint8), ("int5", True, 15, torch.uint8),
+     ("int5", False, 31, torch.uint8), ("int3", True, 3, torch.uint8), ("int3", False, 7, torch.uint8)]
+
+
+@pytest.mark.parametrize("fmt,symmetric,qmax,code_dtype", SPEC_PROPERTIES,
+                         ids=[f if s else f"{f}-asym" for f, s, _, _ in SPEC_PROPERTIES])
 def test_spec_properties(fmt, symmetric, qmax, code_dtype):
     spec = QuantSpec(fmt, "channel", symmetric=symmetric)
     assert spec.qmax == qmax and spec.code_dtype == code_dtype

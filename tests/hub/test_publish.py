@@ -228,10 +228,12 @@ def test_overwrite_replaces_an_earlier_publish_and_empty_folder_is_fine(model_di
 
 @pytest.mark.parametrize("settings, message", [
     ({"bogus": 1}, r"unknown AsymKVCache settings \['bogus'\]"),
-    ({"value_bits": 3}, "value_bits must be one of"),
-    ({"key_granularity": "token"}, "calibrated key ranges need key_granularity='channel'"),
+    ({"value_bits": 7}, "value_bits must be one of"),
+    ({"key_granularity": "token"}, "calibrated key ranges .* need key_granularity='channel'"),
+    ({"key_format": "int4", "key_symmetric": False}, "calibrated key ranges .* key_symmetric=True"),
+    ({"key_rotation": True}, "calibrated key ranges .* key_rotation=False"),
     ({"residual_length": [8]}, "must be a JSON scalar"),
-], ids=["unknown-key", "bad-value", "incompatible", "not-scalar"])
+], ids=["unknown-key", "bad-value", "incompatible", "asymmetric-keys", "rotated-keys", "not-scalar"])
 def test_publish_refuses_bad_settings(model_dir, scales_file, tmp_path, settings, message):
     with pytest.raises(ValueError, match=message):
         publish(str(model_dir), scales_file, tmp_path / "pub", settings=settings)

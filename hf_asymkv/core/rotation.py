@@ -1,0 +1,106 @@
+"""Orthonormal Hadamard rotation along ``head_dim``: spreads a few large channels over all of them.
+
+A token's values often have one or two channels far larger than the rest; a per-token scale then leaves the
+ordinary channels few effective levels. Rotating by an orthonormal Hadamard matrix ``H`` (entries ``+-1/sqrt(n)``)
+mixes every channel into every other, so the rotated vector is flat and low-bit codes lose less (QuaRot,
+SpinQuant, llama.cpp's quantized caches, vLLM's ``turboquant_k8v4``). Because ``H`` is orthonormal, nothing is
+lost: ``(x H) H^T = x``, and attention can work on rotated values and rotate only its output back:
+``softmax(q k^T) (V H) H^T = softmax(q k^T) V``.
+
+``head_dim`` that is not a power of two gets a block-diagonal ``H``: Hadamard blocks of the largest power of two
+that divides it (80 -> 5 blocks of 16), still orthonormal. The Sylvester construction is symmetric, so
+``H^T = H``; the code still writes the transpose where the math has one.
+
+Reading rotated codes back densely costs a ``[D, D]`` product per token. For per-token codes with one group
+per token (the presets), :func:`dequantize_rotated` computes it on the integer codes: with ``H = S / sqrt(b)``
+(``S`` has entries -1, 0, +1), ``(s c + z) H^T = (s / sqrt(b)) (c S^T) + z (1 H^T)``; ``c S^T`` is an exact int8 x
+int8 -> int32 product (``torch._int_mm``, about 3x faster than the float32 one on a CPU) and ``1 H^T`` is
+nonzero only in each block's first column.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .quant import QuantSpec, decode_codes, dequantize
+
+__all__ = ["dequantize_rotated", "hadamard", "hadamard_block", "rotate", "unrotate"]
+
+
+def hadamard_block(dim: int) -> int:
+    """Size of the Hadamard blocks used for ``dim``: the largest power of two dividing it (``dim & -dim``)."""
+    if dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {dim!r}.")
+    return dim & -dim
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_cpu(dim: int, dtype: torch.dtype) -> torch.Tensor:
+    block = hadamard_block(dim)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:  # Sylvester: [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / math.sqrt(block)
+    return torch.block_diag(*[h] * (dim // block)).to(dtype)
+
+
+def hadamard(dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The orthonormal ``[dim, dim]`` (block-)Hadamard matrix, in ``dtype`` on ``device`` (cached per device)."""
+    h = _hadamard_cpu(dim, dtype)
+    return h if device is None or torch.device(device) == h.device else _hadamard_on(dim, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_on(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _hadamard_cpu(dim, dtype).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` in float32 (what gets quantized): ``[..., D]`` -> ``[..., D]`` float32."""
+    return x.float() @ hadamard(x.shape[-1], torch.float32, x.device)
+
+
+def unrotate(y: torch.Tensor) -> torch.Tensor:
+    """``y @ H^T`` in ``y``'s dtype: the inverse of :func:`rotate`. ``[..., D]`` -> ``[..., D]``."""
+    return y @ hadamard(y.shape[-1], y.dtype, y.device).T
+
+
+@functools.lru_cache(maxsize=32)
+def _signs_cpu(dim: int) -> torch.Tensor:
+    """``S = sqrt(b) H`` as int8 (entries -1, 0, +1; ``b`` the block size), transposed for ``c @ S^T``."""
+    block = hadamard_block(dim)
+    return (_hadamard_cpu(dim, torch.float64) * math.sqrt(block)).round().to(torch.int8).T.contiguous()
+
+
+def _integer_path(codes: torch.Tensor, spec: QuantSpec, head_dim: int) -> bool:
+    """Per-token codes, one group per token, that fit int8, on a CPU with int8 matmuls."""
+    return (codes.device.type == "cpu" and hasattr(torch, "_int_mm") and not spec.is_float and spec.bits <= 7
+            and spec.granularity == "token" and spec.group_size == head_dim)
+
+
+def dequantize_rotated(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
+                       block_size: int = 1, *, dtype: torch.dtype = torch.float32,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode codes of ``x @ H`` back to ``x``: ``dequantize(...) @ H^T``, ``[B, H, T, D]`` in ``dtype``.
+
+    Args: as :func:`~hf_asymkv.core.quant.dequantize` (``out``: an optional ``[B, H, T, D]`` destination).
+    """
+    b, h, t, packed = codes.shape
+    head_dim = packed if spec.is_float or spec.bits == 8 else packed * 8 // spec.bits
+    if not _integer_path(codes, spec, head_dim):
+        region = dequantize(codes, scale, zero, spec, block_size, dtype=dtype)
+        rotated_back = unrotate(region)
+        return rotated_back if out is None else out.copy_(rotated_back)
+    ints = decode_codes(codes, spec, dtype=torch.int8).view(-1, head_dim)
+    product = torch._int_mm(ints, _signs_cpu(head_dim)).view(b, h, t, head_dim)  # exact
+    # float32 arithmetic (half-precision outputs get one final rounding: the zero term and the product's first
+    # column nearly cancel, which a half-precision intermediate would turn into a large relative error)
+    work = product.float()
+    block = hadamard_block(head_dim)
+    work.mul_(scale.float() / math.sqrt(block))
+    if zero is not None:  # 1 H^T: sqrt(b) in each block's first column, 0 elsewhere
+        work[..., ::block].add_(zero.float() * math.sqrt(block))
+    return work.to(dtype) if out is None else out.copy_(work)
