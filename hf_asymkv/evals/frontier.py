@@ -15,8 +15,8 @@ The Pareto check: a peer *passes* (is matched) when one of our settings spends n
 (``x_smaller`` at least the peer's) and is at least as accurate on every measured metric (needle prompts lost,
 tail KL, attention KL). A peer no setting of ours matches is a finding, reported as such.
 
-Our settings are named ``AsymKVConfig`` variations registered as schemes (:data:`OUR_SCHEMES`, plus
-``preset:<name>`` for every entry of ``hf_asymkv.PRESETS`` when it exists).
+Our settings are the presets (``asymkv-<name>`` for every entry of ``hf_asymkv.PRESETS``) and named variations
+of the default, registered as schemes (:data:`OUR_SCHEMES`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from ..bench.memory import cache_nbytes
 from ..bench.peers import PEERS
-from ..bench.schemes import SCHEMES, make_cache
+from ..bench.schemes import PRESET_NAMES, SCHEMES, make_cache
 from .attention import run_attention
 from .report import flips
 from .retrieval import run_needle
@@ -37,18 +37,14 @@ from .retrieval import run_needle
 __all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierRow", "OUR_SCHEMES", "frontier_markdown", "kind_of",
            "pareto_check", "pareto_markdown", "plot_frontier", "run_frontier", "scheme_nbytes"]
 
-OUR_SCHEMES = ("asymkv", "asymkv-fp8", "asymkv-v2", "asymkv-v8", "asymkv-w32", "asymkv-w512", "asymkv-sinks4")
-"""Our settings today (the default and single-field variations); presets join as ``preset:<name>``."""
+OUR_SCHEMES = (*(f"asymkv-{name}" for name in PRESET_NAMES), "asymkv", "asymkv-sinks4", "asymkv-v2", "asymkv-v8")
+"""Our presets (``hf_asymkv.PRESETS``), the default and single-field variations of it."""
 BASELINES = ("int8-per-tensor", "k4v4-sym", "k4v8-inverted")
 """Our code path with other people's choices: shown, but neither ours nor a peer in the Pareto check."""
 TRANSFORMERS_PEERS = ("hf-quanto-int4", "hf-quanto-int2", "hf-fp8")
 
 
-def _presets() -> list[str]:
-    return [name for name in SCHEMES if name.startswith("preset:")]
-
-
-DEFAULT_SCHEMES = (*OUR_SCHEMES, *_presets(), "int8-per-tensor", *PEERS, *TRANSFORMERS_PEERS)
+DEFAULT_SCHEMES = (*OUR_SCHEMES, "int8-per-tensor", *PEERS, *TRANSFORMERS_PEERS)
 
 
 def kind_of(name: str) -> str:
