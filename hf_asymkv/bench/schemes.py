@@ -39,10 +39,13 @@ def _quantized(backend: str, **kwargs) -> Factory:
 
 
 def _asymkv(**settings) -> Factory:
+    """Ours with ``settings`` over the 0.1 defaults (window 128, no sinks, unrotated V), so that ``asymkv`` and its
+    variations keep the meaning of every committed result; ``AsymKVCache()`` itself is ``asymkv-balanced``."""
     def build(config: PreTrainedConfig) -> AsymKVCache:
         from ..core.cache import AsymKVCache
+        from ..core.config import LEGACY_DEFAULTS
 
-        return AsymKVCache(config, **settings)
+        return AsymKVCache(config, **{**LEGACY_DEFAULTS, **settings})
     return build
 
 
@@ -58,7 +61,8 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
         _quantized("quanto", nbits=2),
     ),
     "hf-fp8": ("transformers QuantizedCache fp8 (per-tensor scale frozen at prefill)", _quantized("fp8")),
-    "asymkv": ("ours, defaults: K int8 per-channel blocks, V int4 per-token, window 128", _asymkv()),
+    "asymkv": ("ours, the 0.1 default: K int8 per-channel blocks, V int4 per-token, window 128 (AsymKVCache() is "
+               "asymkv-balanced since 0.2)", _asymkv()),
     "asymkv-fused": (
         "ours, defaults, with the fused attention over the codes (attn_implementation='asymkv_sdpa')",
         lambda c: _fused_cache(c),

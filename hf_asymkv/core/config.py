@@ -28,11 +28,14 @@ are packed as two bit-plane sets (exactly ``bits / 8`` bytes per value)."""
 OVERFLOW_POLICIES = ("widen", "clip", "error")
 """What a calibrated layer does with a key beyond its range: widen that block's scale (counted), saturate
 (counted), or raise ``ValueError``."""
-CONFIG_VERSION = 2
-"""Version of the dict form written by :meth:`AsymKVConfig.to_dict` (2 added ``key_symmetric``,
-``key_rotation`` and ``value_rotation``; a version-1 dict reads with their defaults, which are version 1's
-behaviour)."""
-SUPPORTED_CONFIG_VERSIONS = (1, 2)
+CONFIG_VERSION = 3
+"""Version of the dict form written by :meth:`AsymKVConfig.to_dict`: 2 added ``key_symmetric``, ``key_rotation``
+and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V). A
+field missing from an older dict takes the default of that dict's version (:data:`LEGACY_DEFAULTS`), so a
+stored config keeps its meaning."""
+SUPPORTED_CONFIG_VERSIONS = (1, 2, 3)
+LEGACY_DEFAULTS = {"residual_length": 128, "sink_tokens": 0, "value_rotation": False}
+"""Defaults of config versions 1 and 2 that version 3 changed (key_symmetric/key_rotation kept theirs)."""
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -80,14 +83,14 @@ class AsymKVConfig:
     value_bits: int = 4
     value_group_size: int | None = None
     key_block_size: int = 128
-    residual_length: int = 128
-    sink_tokens: int = 0
+    residual_length: int = 64
+    sink_tokens: int = 4
     key_granularity: str = "channel"
     key_group_size: int | None = None
     value_granularity: str = "token"
     value_symmetric: bool = False
     key_symmetric: bool = True
-    value_rotation: bool = False
+    value_rotation: bool = True
     key_rotation: bool = False
     overflow_policy: str = "widen"
     growth_factor: float = 1.25
@@ -144,7 +147,8 @@ class AsymKVConfig:
 
     @classmethod
     def from_dict(cls, data, where: str = "settings") -> AsymKVConfig:
-        """Read :meth:`to_dict` output (missing fields take their defaults; no ``config_version`` means 1).
+        """Read :meth:`to_dict` output (no ``config_version`` means 1; a missing field takes the default of the
+        dict's version: before version 3, a 128-token window, no sinks and unrotated V).
 
         Raises:
             ValueError: not a dict, an unsupported version, unknown keys, non-scalar or invalid values; the
@@ -157,6 +161,8 @@ class AsymKVConfig:
         if version not in SUPPORTED_CONFIG_VERSIONS:
             raise ValueError(f"{where}: config_version {version!r} is not supported (supported: "
                              f"{list(SUPPORTED_CONFIG_VERSIONS)}); upgrade hf-asymkv")
+        if version < 3:
+            data = {**LEGACY_DEFAULTS, **data}
         for key, value in data.items():
             if not (value is None or isinstance(value, (str, int, float, bool))):
                 raise ValueError(f"{where}: setting {key!r} must be a JSON scalar, got {value!r}")

@@ -99,7 +99,7 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
     itemsize = model.dtype.itemsize
     rows = []
     for name, cache in (("DynamicCache (full precision)", DynamicCache(config=model.config)),
-                        ("AsymKVCache (K int8/ch, V int4/tok)", AsymKVCache(model.config))):
+                        ("AsymKVCache (default: K int8/ch, V int4/tok rotated, 4 sinks)", AsymKVCache(model.config))):
         clock = StepClock()
         out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
                              streamer=clock)

@@ -32,7 +32,10 @@ from helpers import greedy_with_logits
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 H, D = 2, 16  # the tiny models' kv heads and head_dim
-SMALL = dict(residual_length=8, key_block_size=8)  # quantizes after a handful of tokens
+# Quantizes after a handful of tokens. No sinks and unrotated V (the 0.1 defaults): these tests compare a cache
+# built on ranges calibrated from the very input against DynamicCache, and quantized V in early layers moves the
+# later layers' keys; with rotated V one channel of this tiny model lands 3% beyond its calibrated range.
+SMALL = dict(residual_length=8, key_block_size=8, sink_tokens=0, value_rotation=False)
 
 
 def tokens(n: int, seed: int, batch: int = 1) -> torch.LongTensor:
@@ -405,7 +408,7 @@ def test_dequantized_keys_within_bound_of_originals(llama, own_scales, policy):
     k, v = cache.layers[1].keys, cache.layers[1].values  # [1, H, 64, D]
     calib = scales.k_channel_absmax[1] * 0.5
     asym = AsymKVCache(llama.config, key_absmax={1: calib.clone()}, overflow_policy=policy, residual_length=0,
-                       key_block_size=8)
+                       sink_tokens=0, key_block_size=8)
     layer = asym.layers[1]
     layer.update(k, v)
     keys, _ = layer.update(k[:, :, :0], v[:, :, :0])

@@ -14,7 +14,9 @@ from conftest import llama_config
 
 def test_defaults_are_the_documented_ones():
     c = AsymKVConfig()
-    assert (c.key_format, c.value_bits, c.key_block_size, c.residual_length, c.sink_tokens) == ("int8", 4, 128, 128, 0)
+    assert (c.key_format, c.value_bits, c.key_block_size, c.residual_length, c.sink_tokens) == ("int8", 4, 128, 64, 4)
+    assert c.value_rotation and not c.key_rotation and c.key_symmetric
+    assert c == PRESETS["balanced"]  # the default is the balanced preset (README, Presets)
     assert c.key_format in KEY_FORMATS and c.value_bits in VALUE_BITS
 
 
@@ -66,7 +68,7 @@ def test_replace_validates():
 def test_dict_round_trip_through_json():
     c = AsymKVConfig(key_format="fp8_e4m3", value_bits=2, sink_tokens=4, value_group_size=32)
     d = json.loads(json.dumps(c.to_dict()))
-    assert d["config_version"] == 2
+    assert d["config_version"] == 3
     assert AsymKVConfig.from_dict(d) == c
 
 
@@ -80,7 +82,16 @@ def test_version_1_dicts_read_with_the_new_fields_off():
     """A version-1 ``asymkv_config.json`` (no key_symmetric / rotation fields) keeps its old meaning."""
     c = AsymKVConfig.from_dict({"config_version": 1, "key_format": "int8", "value_bits": 4, "sink_tokens": 4})
     assert (c.key_symmetric, c.value_rotation, c.key_rotation) == (True, False, False)
-    assert c == AsymKVConfig(sink_tokens=4)
+    assert c == AsymKVConfig(sink_tokens=4, residual_length=128, value_rotation=False)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_dicts_keep_the_defaults_of_their_version(version):
+    """Version 3 changed the defaults (window 64, 4 sinks, rotated V); an older dict that omits them keeps its
+    version's (window 128, no sinks, V unrotated)."""
+    c = AsymKVConfig.from_dict({"config_version": version})
+    assert (c.residual_length, c.sink_tokens, c.value_rotation) == (128, 0, False)
+    assert AsymKVConfig.from_dict({"config_version": 3}) == AsymKVConfig()
 
 
 def test_asymmetric_keys_need_an_integer_format():
@@ -90,12 +101,12 @@ def test_asymmetric_keys_need_an_integer_format():
 
 def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
     """Version-1 publish folders stored only the settings they changed, without a config_version."""
-    assert AsymKVConfig.from_dict({"residual_length": 64}) == AsymKVConfig(residual_length=64)
+    assert AsymKVConfig.from_dict({"residual_length": 64}) == AsymKVConfig(sink_tokens=0, value_rotation=False)
 
 
 @pytest.mark.parametrize("data, message", [
     ([1], "settings must be a JSON object, got list"),
-    ({"config_version": 3}, r"settings: config_version 3 is not supported \(supported: \[1, 2\]\); upgrade hf-asymkv"),
+    ({"config_version": 4}, r"settings: config_version 4 is not supported \(supported: \[1, 2, 3\]\); upgrade hf-asymkv"),
     ({"window": 8}, r"settings: unknown AsymKVCache settings \['window'\]"),
     ({"residual_length": [8]}, "settings: setting 'residual_length' must be a JSON scalar"),
     ({"value_bits": 7}, r"settings: value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),

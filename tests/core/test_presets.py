@@ -117,7 +117,7 @@ def test_preset_bytes_reach_their_ratio(preset, head_dim):
 
 def test_bytes_are_exact_for_3_bit_values():
     """A 3-bit rotated value costs 3/8 byte plus its group's fp16 scale and zero, nothing else."""
-    cache = AsymKVCache(_tiny(64), value_bits=3, value_rotation=True, residual_length=0, key_block_size=32,
+    cache = AsymKVCache(_tiny(64), value_bits=3, value_rotation=True, residual_length=0, sink_tokens=0, key_block_size=32,
                         growth_factor=2.0, max_growth_tokens=1024)
     for i in range(2):
         cache.update(torch.zeros(1, 1, 1024, 64), torch.randn(1, 1, 1024, 64), i)

@@ -259,7 +259,8 @@ def test_card_without_eval(published, scales):
         assert f"| {i} | {float(scales.k_channel_absmax[i].max()):.4g} |" in card
         assert f"{scales.k_scale(i):.4e} | {scales.v_scale(i):.4e} |" in card
     assert "{{" not in card and "}}" not in card
-    assert "keys are stored int8 per channel, values int4 per token, and the newest 8 tokens stay exact" in card
+    assert ("keys are stored int8 per channel, values int4 per token (rotated by an orthonormal Hadamard matrix), and "
+            "the newest 8 tokens and the first 4 tokens stay exact") in card
 
 
 MD_TABLE = "| scheme | needle acc @4k |\n|---|---:|\n| dynamic | 0.97 |\n| asymkv | 0.96 |\n"
