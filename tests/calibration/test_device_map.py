@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from hf_asymkv import AsymKVCache
+from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.cli import main
 from hf_asymkv.core.scales import KVScales
@@ -80,7 +80,7 @@ def test_calibration_and_cache_through_an_accelerate_dispatch(workdir, tmp_path,
     outputs = []
     for m in (ref_model, model):
         cache = AsymKVCache(m.config, scales=scales, residual_length=8, key_block_size=8)
-        outputs.append(m.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False))
+        outputs.append(m.generate(prompt, **cache_kwargs(cache), max_new_tokens=6, do_sample=False))
         assert layer_devices(cache) == [{torch.device("cpu")}] * 2
     assert torch.equal(outputs[0], outputs[1])
 
@@ -119,8 +119,8 @@ def test_layers_on_cpu_and_gpu(workdir, samples, reference):
     logits = []
     for m in (ref_model, model):
         cache = AsymKVCache(m.config, scales=scales, residual_length=8, key_block_size=8)
-        logits.append(m(prompt, cache=cache).logits[:, -1].cpu())
-        logits.append(m(prompt[:, :1], cache=cache).logits[:, -1].cpu())  # a decode step over quantized blocks
+        logits.append(m(prompt, **cache_kwargs(cache)).logits[:, -1].cpu())
+        logits.append(m(prompt[:, :1], **cache_kwargs(cache)).logits[:, -1].cpu())  # a decode step over quantized blocks
         if m is model:
             assert layer_devices(cache) == [{torch.device("cpu")}, {torch.device("cuda", 0)}]
     torch.testing.assert_close(logits[2], logits[0], rtol=1e-3, atol=1e-3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_asymkv import AsymKVCache
+from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.bench.memory import cache_nbytes
 from hf_asymkv.evals.demo import WARMUP_STEPS, DemoRow, StepClock, bf16_bytes, format_demo
 
@@ -55,7 +55,7 @@ def test_bf16_figure_is_what_a_bf16_model_holds(llama, prompt, make):
     for dtype in (torch.float32, torch.bfloat16):
         model = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
         caches[dtype] = make(model.config)
-        model.generate(prompt, cache=caches[dtype], max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        model.generate(prompt, **cache_kwargs(caches[dtype]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
     fp32 = caches[torch.float32]
     assert bf16_bytes(fp32, cache_nbytes(fp32), 4) == cache_nbytes(caches[torch.bfloat16])
 
