@@ -122,13 +122,14 @@ def format_demo(rows: list[DemoRow], info: dict) -> str:
     kv_head = f"{'KV MiB ' + dtype:>16} {'x smaller':>9}"
     if both:
         kv_head += f" {'KV MiB bf16':>12} {'x smaller':>9}"
-    lines = [f"{'cache':36} {kv_head} {'decode ms/token':>15}  {'ok':3} answer"]
+    width = max(len("cache"), *(len(r.cache) for r in rows))
+    lines = [f"{'cache':{width}} {kv_head} {'decode ms/token':>15}  {'ok':3} answer"]
     for r in rows:
         kv = f"{r.kv_bytes / 2**20:16.2f} {rows[0].kv_bytes / r.kv_bytes:9.2f}"
         if both:
             kv += f" {r.kv_bytes_bf16 / 2**20:12.2f} {rows[0].kv_bytes_bf16 / r.kv_bytes_bf16:9.2f}"
         ms = f"{r.decode_ms:15.1f}" if r.decode_ms is not None else f"{'n/a':>15}"
-        lines.append(f"{r.cache:36} {kv} {ms}  {'yes' if r.correct else 'no':3} {' '.join(r.answer.split())}")
+        lines.append(f"{r.cache:{width}} {kv} {ms}  {'yes' if r.correct else 'no':3} {' '.join(r.answer.split())}")
     if both:
         lines.append(f"KV MiB {dtype}: what this run holds (model dtype {dtype}). KV MiB bf16: the same caches on a "
                      "bf16 model (exact tokens at 2 bytes, codes and scales unchanged), the README's comparison.")
