@@ -66,7 +66,7 @@ class AsymKVCache(Cache):
 
     Args:
         config: the model config (`model.config`); multimodal configs use their text decoder.
-        cache_config: an :class:`hf_asymkv.AsymKVConfig` (default: ``AsymKVConfig()``).
+        cache_config: an :class:`hf_asymkv.AsymKVConfig` (default: ``AsymKVConfig()``, the ``balanced`` preset).
         scales: calibrated ranges: a ``kv_scales.safetensors`` path or a :class:`hf_asymkv.KVScales`
             (validated against ``config``). Full-attention layers then use the calibrated per-channel K scale
             for every block, except where a key exceeds it (``overflow_policy``).

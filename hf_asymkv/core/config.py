@@ -50,7 +50,8 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class AsymKVConfig:
-    """How an :class:`~hf_asymkv.AsymKVCache` stores K and V.
+    """How an :class:`~hf_asymkv.AsymKVCache` stores K and V. The defaults are the ``balanced`` preset (K int8 per
+    channel, V int4 per token rotated, 4 sink tokens and a 64-token window exact; README, Presets).
 
     Args:
         key_format: one of :data:`KEY_FORMATS`; ``int8`` by default (measured, see README).
