@@ -226,14 +226,23 @@ class PeerCache(Cache):
     """A transformers ``Cache`` storing every layer in one :class:`PeerFormat` (boundary layers exact)."""
 
     def __init__(self, fmt: PeerFormat, config: PreTrainedConfig):
+        from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
         text = config.get_text_config(decoder=True)
-        types = set(getattr(text, "layer_types", None) or ["full_attention"])
-        if types != {"full_attention"}:
-            raise ValueError(f"peer scheme {fmt.name!r} emulates full-attention models only; this model has layer "
-                             f"types {sorted(types)}")
-        n = text.num_hidden_layers
-        layers = [DynamicLayer() if fmt.is_exact_layer(i, n) else KiviLayer(fmt.kivi_bits) if fmt.kivi_bits
-                  else PeerLayer(fmt) for i in range(n)]
+        # Full-attention layers take the peer's format; sliding-window layers stay transformers' own bounded
+        # full-precision layers, as AsymKVCache keeps them, so that both sides treat them alike (an engine such as
+        # vLLM would quantize them too: the comparison is of the full-attention layers' formats).
+        base = DynamicCache(config=config).layers
+        if len(base) != text.num_hidden_layers or any(
+                type(layer) is not DynamicLayer and not isinstance(layer, DynamicSlidingWindowLayer) for layer in base):
+            raise ValueError(f"peer scheme {fmt.name!r} emulates models of full-attention and sliding-window layers "
+                             f"only; this model's cache layers are {sorted({type(x).__name__ for x in base})}")
+        full = [i for i, layer in enumerate(base) if type(layer) is DynamicLayer]
+        n = len(full)
+        layers = list(base)
+        for rank, i in enumerate(full):  # boundary layers (TurboQuant) counted among the full-attention layers
+            layers[i] = (DynamicLayer() if fmt.is_exact_layer(rank, n) else KiviLayer(fmt.kivi_bits)
+                         if fmt.kivi_bits else PeerLayer(fmt))
         super().__init__(layers=layers)
         self.fmt = fmt
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -247,7 +256,7 @@ class PeerCache(Cache):
                 continue
             tokens, batch = layer.keys.shape[-2], layer.keys.shape[0]
             total += batch * self.fmt.layer_nbytes(tokens, self.kv_heads, self.head_dim,
-                                                   exact=type(layer) is DynamicLayer)
+                                                   exact=not isinstance(layer, (PeerLayer, KiviLayer)))
         return total
 
 

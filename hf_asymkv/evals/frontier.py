@@ -80,20 +80,19 @@ class FrontierRow:
 def scheme_nbytes(name: str, config, tokens: int, seed: int = 0) -> int:
     """Bytes ``name`` holds after a ``tokens``-token prefill of ``config``'s shapes (batch 1, bf16 K/V).
 
-    Peers: their engine's bytes. Everything else: a real cache fed random bf16 K/V of those shapes, counted
-    tensor by tensor (the bytes depend on shapes and dtype, not on the values).
+    A real cache fed random bf16 K/V of those shapes (the bytes depend on shapes and dtype, not on the values):
+    peers count what their engine would store for the tokens each layer holds (:meth:`PeerCache.engine_nbytes`;
+    sliding-window layers exact and bounded, as ours), everything else its tensors.
     """
     text = config.get_text_config(decoder=True)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if name in PEERS:
-        return PEERS[name].engine_nbytes(tokens, text.num_hidden_layers, heads, head_dim)
     gen = torch.Generator().manual_seed(seed)
     cache = make_cache(name, config)
     for i in range(text.num_hidden_layers):
         k, v = (torch.randn(1, heads, tokens, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
         cache.update(k, v, i)
-    return cache_nbytes(cache)
+    return cache.engine_nbytes() if name in PEERS else cache_nbytes(cache)
 
 
 def _mean(values: list[float]) -> float:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import llama_config
+from conftest import hybrid_config, llama_config
 
 from hf_asymkv.bench import peer_formats as pf
-from hf_asymkv.bench.peers import PEERS, KiviLayer, PeerCache, kivi_split, make_peer_cache
+from hf_asymkv.bench.peers import PEERS, KiviLayer, PeerCache, PeerLayer, kivi_split, make_peer_cache
 from hf_asymkv.bench.schemes import make_cache
 
 
@@ -135,6 +135,30 @@ def test_peer_cache_on_a_tiny_llama(name):
     keys, values = cache.update(k[:, :, :1], v[:, :, :1], 1)
     assert keys.shape == (1, 2, 201, 16) and sqnr_db(k, keys[:, :, :200]) > 6
     assert cache.engine_nbytes() > 0
+
+
+@pytest.mark.parametrize("name", ["llama-q4_0", "kivi-2", "vllm-tq-k8v4"])
+def test_peer_cache_keeps_sliding_layers_exact_like_ours(name):
+    """On a model with sliding-window layers only the full-attention layers take the peer's format; the sliding
+    ones stay transformers' exact bounded layers, counted at 2 bytes per element for the tokens they hold."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    config = hybrid_config()
+    cache = make_cache(name, config)
+    sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
+    full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    assert sliding and full
+    assert all(isinstance(cache.layers[i], DynamicSlidingWindowLayer) for i in sliding)
+    heads, dim = config.num_key_value_heads, config.head_dim
+    k = torch.randn(1, heads, 300, dim)
+    for i in range(config.num_hidden_layers):
+        cache.update(k, k.clone(), i)
+    held = [cache.layers[i].keys.shape[-2] for i in sliding]
+    exact = 2 * 2 * heads * dim * sum(held)
+    quantized = sum(PEERS[name].layer_nbytes(300, heads, dim, exact=not isinstance(cache.layers[i], (PeerLayer, KiviLayer)))
+                    for i in full)
+    assert cache.engine_nbytes() == exact + quantized
+    assert max(held) < 300  # the sliding layers really are bounded
 
 
 def test_unknown_peer_lists_the_known_ones():
