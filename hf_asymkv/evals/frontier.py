@@ -78,7 +78,8 @@ class FrontierRow:
 
 @torch.no_grad()
 def scheme_nbytes(name: str, config, tokens: int, seed: int = 0) -> int:
-    """Bytes ``name`` holds after a ``tokens``-token prefill of ``config``'s shapes (batch 1, bf16 K/V).
+    """Bytes ``name`` holds after a ``tokens``-token prefill and one decode step of ``config``'s shapes (batch 1,
+    bf16 K/V).
 
     A real cache fed random bf16 K/V of those shapes (the bytes depend on shapes and dtype, not on the values):
     peers count what their engine would store for the tokens each layer holds (:meth:`PeerCache.engine_nbytes`;
@@ -89,9 +90,12 @@ def scheme_nbytes(name: str, config, tokens: int, seed: int = 0) -> int:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     gen = torch.Generator().manual_seed(seed)
     cache = make_cache(name, config)
-    for i in range(text.num_hidden_layers):
-        k, v = (torch.randn(1, heads, tokens, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
-        cache.update(k, v, i)
+    # the prefill, then one decode step: transformers' sliding-window layers keep the whole prefill tensor's storage
+    # behind their window view until the next update, which an engine would not count
+    for n in (tokens, 1):
+        for i in range(text.num_hidden_layers):
+            k, v = (torch.randn(1, heads, n, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+            cache.update(k, v, i)
     return cache.engine_nbytes() if name in PEERS else cache_nbytes(cache)
 
 
