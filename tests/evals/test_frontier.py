@@ -70,4 +70,5 @@ def test_pareto_needs_no_more_bytes_and_no_more_damage():
 
 def test_bytes_of_dynamic_are_bf16():
     config = llama_config()
-    assert scheme_nbytes("dynamic", config, 100) == 2 * 2 * 100 * 2 * 16 * 2  # layers, K+V, tokens, heads, dim, bf16
+    # the prefill and one decode step: 101 tokens x layers, K+V, heads, dim, bf16
+    assert scheme_nbytes("dynamic", config, 100) == 2 * 2 * 101 * 2 * 16 * 2
