@@ -17,7 +17,6 @@ from hf_asymkv.models import load_model
 from hf_asymkv.core.scales import KVScales
 
 from conftest import llama_config
-from helpers import TEXT_WORDS, WORDS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

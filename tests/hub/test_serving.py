@@ -106,7 +106,7 @@ def test_export_is_a_complete_checkpoint(tmp_path, checkpoint, strategy):
 
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
 def test_compressed_tensors_accepts_the_config_and_our_shapes(tmp_path, checkpoint, strategy):
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+    from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
 
     out = export_serving_checkpoint(checkpoint, make_scales(), tmp_path / "serve", strategy=strategy)
