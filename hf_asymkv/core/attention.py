@@ -124,7 +124,7 @@ def _key_scores(q: torch.Tensor, k: QuantizedKV) -> torch.Tensor:
     """
     b, h, nq, d = q.shape
     n, bs = k.codes.shape[2], k.block_size
-    codes = decode_codes(k.codes, k.spec, dtype=q.dtype).view(b, h, n // bs, bs, d)
+    codes = decode_codes(k.codes, k.spec, bs, dtype=q.dtype).view(b, h, n // bs, bs, d)
     scale = _expand_channels(k.scale.to(q.dtype), d)  # [B, H, nblk, D]
     qs = q[:, :, None] * scale[:, :, :, None, :]  # [B, H, nblk, Q, D]
     scores = qs @ codes.transpose(-1, -2)  # [B, H, nblk, Q, bs]
@@ -138,7 +138,7 @@ def _value_mix(p: torch.Tensor, v: QuantizedKV, head_dim: int) -> torch.Tensor:
     """``p @ V_quant`` without dequantizing V: ``[B, H, Q, D]`` for weights ``p`` ``[B, H, Q, N]``."""
     b, h, nq, n = p.shape
     tg, cg = v.spec.groups(head_dim, v.block_size)
-    codes = decode_codes(v.codes, v.spec, dtype=p.dtype)  # [B, H, N, D]
+    codes = decode_codes(v.codes, v.spec, v.block_size, dtype=p.dtype)  # [B, H, N, D]
     scale = v.scale.to(p.dtype)
     zero = None if v.zero is None else v.zero.to(p.dtype)
     if tg == 1:  # per-token groups of cg channels: fold the scale into the weights, group by group

@@ -13,6 +13,13 @@ Granularities (``token_group`` x ``channel_group`` elements share a scale):
 - ``"token"``: one scale per token per ``group_size`` channels (values).
 - ``"tensor"``: one scale per block of tokens for all heads and channels (the per-tensor baseline, made
   append-only by giving each block its own scale).
+
+Sub-byte codes (2 to 6 bits) of a block are packed along the *token* axis (:func:`packs_tokens`): the block's
+bytes, ``[block, D * bits / 8]`` as stored, hold ``[block * bits / 8, D]`` rows of packed tokens, so that every
+bit-plane decodes into a run of whole token rows (``block * width / 8 * D`` contiguous elements) instead of a
+few channels of every token. The stored tensor keeps one row per token (``[B, H, T, D * bits / 8]``), so
+slicing at block boundaries, batch reordering and growth are unchanged. Regions that are not whole blocks of a
+suitable size (``block_size`` 1, or not a multiple of ``8 // min(plane_widths(bits))``) pack along ``head_dim``.
 """
 
 from __future__ import annotations
@@ -31,10 +38,14 @@ __all__ = [
     "quantize",
     "dequantize",
     "decode_codes",
+    "integer_codes",
     "needs_wider_metadata",
     "pack_bits",
+    "pack_codes",
+    "packs_tokens",
     "plane_widths",
     "unpack_bits",
+    "unpack_codes",
     "sqnr_db",
 ]
 
@@ -241,7 +252,7 @@ def quantize(
         return codes.to(spec.code_dtype)
     if spec.symmetric:  # store the signed code with an offset so that it packs as an unsigned nibble
         codes += 2 ** (spec.bits - 1)
-    return pack_bits(codes.to(torch.uint8), spec.bits)
+    return pack_codes(codes.to(torch.uint8), spec.bits, block_size)
 
 
 def dequantize(
@@ -267,11 +278,10 @@ def dequantize(
 
     No temporary of the output's size is made: a mixed-dtype ``codes * scale`` would first copy the codes to
     ``dtype`` and then multiply; converting into ``out`` and multiplying in place does the same in two passes
-    over ``out``, without the allocation. Sub-byte codes are stored in bit-planes (:func:`pack_bits`), so each
-    plane is one shift-and-mask written into a contiguous slice. In float32 the result is exact to one
+    over ``out``, without the allocation. Sub-byte codes are unpacked in bytes first (:func:`decode_codes`). In float32 the result is exact to one
     rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once).
     """
-    out = decode_codes(codes, spec, dtype=dtype, out=out)
+    out = decode_codes(codes, spec, block_size, dtype=dtype, out=out)
     head_dim = out.shape[-1]
     tg, cg = spec.groups(head_dim, block_size)
     dest = _grouped(out, tg, cg)
@@ -304,14 +314,13 @@ def needs_wider_metadata(x: torch.Tensor, spec: QuantSpec) -> bool:
     return bool(amax > torch.finfo(spec.scale_dtype).max / 2)
 
 
-def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = torch.float32,
+def decode_codes(codes: torch.Tensor, spec: QuantSpec, block_size: int = 1, *, dtype: torch.dtype = torch.float32,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored codes -> the integer (or fp8) code values in ``dtype``, before scale and zero: ``[B, H, T, D]``.
 
-    Every bit-plane (:func:`pack_bits`) is one shift-and-mask of the packed bytes, converted straight into a
-    contiguous slice of ``out``: copied for the low bits, added with its weight (``2**shift``) for the high bits
-    of 3, 5 and 6-bit codes. Symmetric sub-byte codes get their storage offset removed. Integers up to 8 bits
-    are exact in every float dtype.
+    Sub-byte codes are unpacked into bytes (:func:`unpack_codes`; ``block_size`` says how ``quantize`` packed
+    them), symmetric ones get their storage offset removed there, and one conversion writes ``out``. Integers
+    up to 8 bits are exact in every float dtype.
     """
     b, h, t, _ = codes.shape
     head_dim = codes.shape[-1] if spec.is_float or spec.bits == 8 else codes.shape[-1] * 8 // spec.bits
@@ -319,23 +328,81 @@ def decode_codes(codes: torch.Tensor, spec: QuantSpec, *, dtype: torch.dtype = t
         out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
     if spec.is_float or spec.bits == 8:
         return out.copy_(codes)
-    start, shift = 0, 0
-    for width in plane_widths(spec.bits):
-        per_byte, size = 8 // width, head_dim * width // 8
-        part = codes[..., start : start + size]
-        mask = (1 << width) - 1
-        for j in range(per_byte):
-            plane = part >> (j * width) if j else part
-            plane = plane & mask if j < per_byte - 1 else plane
-            dest = out[..., j * size : (j + 1) * size]
-            if shift:
-                dest.add_(plane, alpha=1 << shift)
-            else:
-                dest.copy_(plane)
-        start, shift = start + size, shift + width
+    return out.copy_(integer_codes(codes, spec, block_size))
+
+
+def integer_codes(codes: torch.Tensor, spec: QuantSpec, block_size: int = 1) -> torch.Tensor:
+    """Integer codes of a sub-byte ``spec`` as bytes: ``[B, H, T, D]``, a new tensor, uint8 (asymmetric, codes in
+    ``[0, 2**bits)``) or int8 (symmetric, the storage offset removed). Both fit int8 (at most 6 bits)."""
+    ints = unpack_codes(codes, spec.bits, block_size)
     if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
-        out.sub_(2 ** (spec.bits - 1))
-    return out
+        ints = ints.view(torch.int8).sub_(2 ** (spec.bits - 1))
+    return ints
+
+
+def packs_tokens(bits: int, block_size: int, tokens: int | None = None) -> bool:
+    """Whether ``quantize`` packs ``bits``-wide codes of ``tokens`` tokens along the token axis, block by block.
+
+    Yes for sub-byte codes in blocks of ``block_size`` > 1 tokens that every bit-plane divides (a multiple of
+    ``8 // min(plane_widths(bits))``: 2 for 4 bits, 4 for 2 and 6 bits, 8 for 3 and 5 bits) when ``tokens`` is
+    a whole number of blocks; otherwise codes pack along ``head_dim`` (:func:`pack_bits`).
+    """
+    if bits >= 8 or block_size < 2 or block_size % (8 // min(plane_widths(bits))):
+        return False
+    return tokens is None or tokens % block_size == 0
+
+
+def pack_codes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """Pack unsigned codes ``[B, H, T, D]`` (uint8, ``< 2**bits``) into ``[B, H, T, D * bits // 8]`` bytes.
+
+    Token packing (:func:`packs_tokens`): each block's ``[block_size, D]`` codes are packed along the token
+    axis with :func:`pack_bits` into ``[block_size * bits // 8, D]`` byte rows, stored in the block's
+    ``[block_size, D * bits // 8]`` slot (same bytes, row-major). Byte row ``i`` of plane ``j`` of a plane set
+    of width ``w`` holds token ``i + j * block_size * w // 8`` of the block. Otherwise :func:`pack_bits` along
+    ``head_dim``. 8-bit codes are returned as they are.
+    """
+    if bits >= 8:
+        return codes
+    b, h, t, d = codes.shape
+    if not packs_tokens(bits, block_size, t):
+        return pack_bits(codes, bits)
+    tokens_last = codes.reshape(b, h, t // block_size, block_size, d).transpose(-1, -2)  # [B, H, nb, D, bs]
+    packed = pack_bits(tokens_last, bits).transpose(-1, -2)  # [B, H, nb, bs * bits // 8, D]
+    return packed.contiguous().view(b, h, t, d * bits // 8)
+
+
+def unpack_codes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``[B, H, T, P]`` -> a new uint8 ``[B, H, T, P * 8 // bits]``.
+
+    Token-packed blocks decode plane by plane: one shift-and-mask of the plane set's byte rows per plane,
+    written into a run of whole token rows of every block (``block_size * w // 8 * D`` contiguous elements),
+    high planes OR-ed in with their shift. Every operation works on bytes; callers convert once.
+    """
+    if bits >= 8:
+        return codes.clone()
+    b, h, t, p = codes.shape
+    if not packs_tokens(bits, block_size, t):
+        return unpack_bits(codes, bits)
+    d, nb = p * 8 // bits, t // block_size
+    rows = codes.reshape(b, h, nb, block_size * bits // 8, d)  # a view for block-aligned slices of a buffer
+    out = torch.empty(b, h, nb, block_size, d, dtype=torch.uint8, device=codes.device)
+    start, shift = 0, 0
+    for width in plane_widths(bits):
+        per_byte, r = 8 // width, block_size * width // 8
+        part, mask = rows[:, :, :, start : start + r], (1 << width) - 1
+        for j in range(per_byte):
+            dest, down = out[:, :, :, j * r : (j + 1) * r], j * width
+            if shift:  # bits [down, down + width) of the byte to bits [shift, shift + width) of the code
+                moved = part >> (down - shift) if down >= shift else part << (shift - down)
+                dest |= moved & (mask << shift)
+            elif j == 0:
+                torch.bitwise_and(part, mask, out=dest)
+            elif j == per_byte - 1:  # the top plane needs no mask
+                torch.bitwise_right_shift(part, down, out=dest)
+            else:
+                torch.bitwise_and(part >> down, mask, out=dest)
+        start, shift = start + r, shift + width
+    return out.view(b, h, t, d)
 
 
 def plane_widths(bits: int) -> tuple[int, ...]:

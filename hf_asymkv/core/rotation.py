@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .quant import QuantSpec, decode_codes, dequantize
+from .quant import QuantSpec, dequantize, integer_codes
 
 __all__ = ["dequantize_rotated", "hadamard", "hadamard_block", "rotate", "unrotate"]
 
@@ -94,13 +94,17 @@ def dequantize_rotated(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
         region = dequantize(codes, scale, zero, spec, block_size, dtype=dtype)
         rotated_back = unrotate(region)
         return rotated_back if out is None else out.copy_(rotated_back)
-    ints = decode_codes(codes, spec, dtype=torch.int8).view(-1, head_dim)
+    ints = integer_codes(codes, spec, block_size).view(torch.int8).view(-1, head_dim)
     product = torch._int_mm(ints, _signs_cpu(head_dim)).view(b, h, t, head_dim)  # exact
     # float32 arithmetic (half-precision outputs get one final rounding: the zero term and the product's first
-    # column nearly cancel, which a half-precision intermediate would turn into a large relative error)
-    work = product.float()
+    # column nearly cancel, which a half-precision intermediate would turn into a large relative error); a float32
+    # ``out`` is the work tensor itself
+    direct = out is not None and out.dtype == torch.float32
+    work = out.copy_(product) if direct else product.float()
     block = hadamard_block(head_dim)
     work.mul_(scale.float() / math.sqrt(block))
     if zero is not None:  # 1 H^T: sqrt(b) in each block's first column, 0 elsewhere
         work[..., ::block].add_(zero.float() * math.sqrt(block))
+    if direct:
+        return out
     return work.to(dtype) if out is None else out.copy_(work)

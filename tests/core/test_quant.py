@@ -23,11 +23,14 @@ from hf_asymkv.core.quant import (
     decode_codes,
     dequantize,
     pack_bits,
+    pack_codes,
+    packs_tokens,
     plane_widths,
     quantize,
     scale_from_absmax,
     sqnr_db,
     unpack_bits,
+    unpack_codes,
 )
 
 INF, NAN = math.inf, math.nan
@@ -61,9 +64,10 @@ def expand(meta: torch.Tensor, spec: QuantSpec, head_dim: int, block_size: int =
     return meta.double().repeat_interleave(tg, dim=2).repeat_interleave(cg, dim=3)
 
 
-def int_codes(codes: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Stored codes -> the integer code each element was rounded to (signed for symmetric specs)."""
-    vals = codes if spec.bits == 8 else unpack_bits(codes, spec.bits)
+def int_codes(codes: torch.Tensor, spec: QuantSpec, block_size: int = BLOCK) -> torch.Tensor:
+    """Stored codes (made with ``block_size``) -> the integer code each element was rounded to (signed for
+    symmetric specs)."""
+    vals = codes if spec.bits == 8 else unpack_codes(codes, spec.bits, block_size)
     vals = vals.to(torch.int32)
     if spec.symmetric and spec.bits < 8:
         vals = vals - 2 ** (spec.bits - 1)
@@ -459,7 +463,7 @@ def test_metadata_rounding_never_clips(fmt, symmetric, granularity, scale_dtype)
     if spec.is_float:
         assert (codes.float().abs() <= spec.qmax).all()
     else:
-        c = int_codes(codes, spec)
+        c = int_codes(codes, spec, 16)
         lo = -spec.qmax if symmetric else 0
         assert c.min() >= lo and c.max() <= spec.qmax
 
@@ -646,7 +650,7 @@ def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
     spec = QuantSpec(fmt, granularity, group_size=group, symmetric=symmetric)
     x = torch.randn(2, 3, 16, d, generator=torch.Generator().manual_seed(5)) * 3
     scale, zero, codes, deq = roundtrip(x, spec, block_size=8)
-    ref = int_codes(codes, spec).double() * expand(scale, spec, d, 8)
+    ref = int_codes(codes, spec, 8).double() * expand(scale, spec, d, 8)
     if zero is not None:
         ref = ref + expand(zero, spec, d, 8)
     assert torch.equal(deq, ref.float())
@@ -709,3 +713,55 @@ def test_spec_properties(fmt, symmetric, qmax, code_dtype):
     assert spec.groups(128, 32) == (32, 1)
     assert QuantSpec(fmt, "tensor", symmetric=symmetric).groups(128, 32) == (32, 128)
     assert QuantSpec(fmt, "token", group_size=64, symmetric=symmetric).groups(128, 32) == (1, 64)
+
+
+# Token packing: sub-byte codes of whole blocks are packed along the token axis (pack_codes / unpack_codes)
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("block", [1, 2, 4, 8, 16, 32, 12])
+def test_pack_codes_roundtrip_every_width_and_block(bits, block):
+    gen = torch.Generator().manual_seed(bits * 100 + block)
+    codes = torch.randint(0, 2**bits, (2, 3, 4 * block, 16), generator=gen, dtype=torch.uint8)
+    packed = pack_codes(codes, bits, block)
+    assert packed.shape == (2, 3, 4 * block, 16 * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed, bits, block), codes)
+    if not packs_tokens(bits, block):  # the head_dim layout of pack_bits
+        assert torch.equal(packed, pack_bits(codes, bits))
+
+
+def test_packs_tokens_rule():
+    assert packs_tokens(4, 2) and packs_tokens(2, 4) and packs_tokens(6, 4) and packs_tokens(3, 8)
+    assert not packs_tokens(3, 4) and not packs_tokens(5, 12) and not packs_tokens(4, 1) and not packs_tokens(8, 128)
+    assert packs_tokens(4, 32, 64) and not packs_tokens(4, 32, 48)  # only whole blocks
+
+
+def test_pack_codes_token_layout_by_hand():
+    # 4-bit, block of 2 tokens, 2 channels: byte row 0 holds token 0 (low nibble) and token 1 (high nibble)
+    codes = torch.tensor([[1, 2], [3, 4]], dtype=torch.uint8).view(1, 1, 2, 2)
+    packed = pack_codes(codes, 4, 2)
+    assert packed.view(-1).tolist() == [1 | 3 << 4, 2 | 4 << 4]
+    # 3-bit, block of 8 tokens, 8 channels: rows 0-1 hold the low 2 bits (4 tokens per byte), row 2 the high bit
+    codes = torch.arange(64, dtype=torch.uint8).view(1, 1, 8, 8) % 8
+    packed = pack_codes(codes, 3, 8).view(3, 8)
+    low, high = codes[0, 0] & 3, codes[0, 0] >> 2
+    for i in range(2):
+        assert packed[i].tolist() == (low[i] | low[i + 2] << 2 | low[i + 4] << 4 | low[i + 6] << 6).tolist()
+    assert packed[2].tolist() == sum(high[j] << j for j in range(8)).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["int2", "int3", "int4", "int6"])
+@pytest.mark.parametrize("granularity", ["channel", "token"])
+def test_decode_block_aligned_slice_of_a_buffer(fmt, granularity):
+    """What the store reads: a block-aligned token slice of a larger buffer (not contiguous over heads)."""
+    spec = make_spec(fmt, False, granularity, group_size=16)
+    block = 8
+    x = torch.randn(2, 3, 6 * block, 16, generator=torch.Generator().manual_seed(1))
+    scale, zero, codes, deq = roundtrip(x, spec, block_size=block)
+    buffer = torch.zeros(2, 3, 9 * block, codes.shape[-1], dtype=torch.uint8)
+    buffer[:, :, : 6 * block] = codes
+    tg = spec.groups(16, block)[0]
+    for start, stop in [(0, 6 * block), (block, 3 * block), (5 * block, 6 * block)]:
+        part = buffer[:, :, start:stop]
+        z = None if zero is None else zero[:, :, start // tg : stop // tg]
+        got = dequantize(part, scale[:, :, start // tg : stop // tg], z, spec, block)
+        assert torch.equal(got, deq[:, :, start:stop])
