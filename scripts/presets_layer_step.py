@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv import PRESETS, AsymKVCache
 from hf_asymkv.cli.args import int_list
+from hf_asymkv.core.config import LEGACY_DEFAULTS
 from hf_asymkv.core.fileio import atomic_write_text
 
 # SmolLM2-135M's attention shape: 9 query heads sharing 3 KV heads of 64 channels.
@@ -31,7 +32,8 @@ class _Attn(torch.nn.Module):
 
 
 def _caches(config) -> dict:
-    makers = {"dynamic": lambda: DynamicCache(config=config), "asymkv (default)": lambda: AsymKVCache(config)}
+    makers = {"dynamic": lambda: DynamicCache(config=config),
+              "asymkv 0.1 default": lambda: AsymKVCache(config, **LEGACY_DEFAULTS)}
     for name in PRESETS:
         makers[name] = lambda n=name: AsymKVCache.from_preset(n, config)
         makers[f"{name}, V unrotated"] = lambda n=name: AsymKVCache.from_preset(n, config, value_rotation=False)

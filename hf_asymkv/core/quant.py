@@ -285,9 +285,13 @@ def dequantize(
     head_dim = out.shape[-1]
     tg, cg = spec.groups(head_dim, block_size)
     dest = _grouped(out, tg, cg)
-    dest.mul_(_bcast(_factor(scale, dtype)))
-    if zero is not None:
-        dest.add_(_bcast(_factor(zero, dtype)))
+    factor = _bcast(_factor(scale, dtype))
+    if zero is None:
+        dest.mul_(factor)
+    elif cg == 1:  # one scale per channel: a fused multiply-add is one pass (PyTorch's CPU addcmul is slower than
+        torch.addcmul(_bcast(_factor(zero, dtype)), dest, factor, out=dest)  # mul + add for row-broadcast scales)
+    else:
+        dest.mul_(factor).add_(_bcast(_factor(zero, dtype)))
     return out
 
 
