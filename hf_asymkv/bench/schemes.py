@@ -49,6 +49,17 @@ def _asymkv(**settings) -> Factory:
     return build
 
 
+def _fused(make: Factory) -> Factory:
+    """``make``'s cache, refused unless the model runs the fused attention (see :func:`scheme_attention`)."""
+    def build(config: PreTrainedConfig) -> AsymKVCache:
+        cache = make(config)
+        if not cache.fused_attention:
+            raise ValueError("fused schemes need the model on attn_implementation='asymkv_sdpa': build the cache "
+                             "inside `with scheme_attention(model, name):`.")
+        return cache
+    return build
+
+
 SCHEMES: dict[str, tuple[str, Factory]] = {
     "dynamic": ("full precision DynamicCache", _dynamic),
     "hf-quanto-int4": (
@@ -65,7 +76,7 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
                "asymkv-balanced since 0.2)", _asymkv()),
     "asymkv-fused": (
         "ours, defaults, with the fused attention over the codes (attn_implementation='asymkv_sdpa')",
-        lambda c: _fused_cache(c),
+        lambda c: _fused(_asymkv())(c),
     ),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", _asymkv(key_format="fp8_e4m3")),
     "asymkv-v2": ("ours with V int2 per token", _asymkv(value_bits=2)),
@@ -106,6 +117,10 @@ def _preset(name: str) -> Factory:
 
 SCHEMES.update({f"asymkv-{name}": (f"ours, preset {name!r} (hf_asymkv.PRESETS)", _preset(name))
                 for name in PRESET_NAMES})
+# The presets through the fused attention (same storage, another read-out): for decode speed.
+SCHEMES.update({f"asymkv-{name}-fused": (f"ours, preset {name!r} with the fused attention "
+                                         "(attn_implementation='asymkv_sdpa')", _fused(_preset(name)))
+                for name in PRESET_NAMES})
 
 # The peers' emulations (hf_asymkv.bench.peers.PEERS, which a test holds equal to this list), named here so
 # that the CLI can list and check names without importing torch.
@@ -135,15 +150,9 @@ SCHEMES.update({name: (f"peer: {label} (emulated, see bench/peers.py)", _peer(na
                 for name, label in PEER_SCHEMES.items()})
 
 # Schemes that need the model's attention implementation switched while they run.
-ATTENTION = {"asymkv-fused": "asymkv_sdpa"}  # hf_asymkv.core.attention.ATTN_IMPLEMENTATION (a test holds them equal)
+ATTENTION = {name: "asymkv_sdpa" for name in SCHEMES if name.endswith("-fused")}
+"""hf_asymkv.core.attention.ATTN_IMPLEMENTATION (a test holds them equal)"""
 
-
-def _fused_cache(config: PreTrainedConfig) -> AsymKVCache:
-    cache = _asymkv()(config)
-    if not cache.fused_attention:
-        raise ValueError("scheme 'asymkv-fused' needs the model on attn_implementation='asymkv_sdpa': build it "
-                         "inside `with scheme_attention(model, 'asymkv-fused'):`.")
-    return cache
 
 
 @contextlib.contextmanager

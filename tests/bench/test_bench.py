@@ -42,7 +42,8 @@ def test_bad_flags_exit_2_with_argparse_message(argv, message, capsys):
 def test_scheme_attention_names_the_core_implementation():
     """bench/schemes.py spells the fused attention's name without importing the core (the CLI lists schemes
     without torch); it must stay the core's name."""
-    from hf_asymkv.bench.schemes import ATTENTION
+    from hf_asymkv.bench.schemes import ATTENTION, PRESET_NAMES
     from hf_asymkv.core.attention import ATTN_IMPLEMENTATION
 
-    assert ATTENTION == {"asymkv-fused": ATTN_IMPLEMENTATION}
+    assert set(ATTENTION.values()) == {ATTN_IMPLEMENTATION}
+    assert set(ATTENTION) == {"asymkv-fused", *(f"asymkv-{name}-fused" for name in PRESET_NAMES)}

@@ -43,8 +43,20 @@ def test_fused_scheme_switches_attention_and_restores_it(llama):
         assert llama.config._attn_implementation == "asymkv_sdpa"
         assert make_cache("asymkv-fused", llama.config).fused_attention
     assert llama.config._attn_implementation == before
-    with pytest.raises(ValueError, match="needs the model on attn_implementation='asymkv_sdpa'"):
+    with pytest.raises(ValueError, match="need the model on attn_implementation='asymkv_sdpa'"):
         make_cache("asymkv-fused", llama.config)
+
+
+@pytest.mark.parametrize("preset", ["balanced", "compact"])
+def test_preset_fused_schemes_build_the_preset_on_the_fused_attention(llama, preset):
+    from hf_asymkv import PRESETS
+
+    with scheme_attention(llama, f"asymkv-{preset}-fused"):
+        cache = make_cache(f"asymkv-{preset}-fused", llama.config)
+        c, want = cache.cache_config, PRESETS[preset]
+        assert cache.fused_attention and (c.key_format, c.value_bits) == (want.key_format, want.value_bits)
+    with pytest.raises(ValueError, match="need the model on attn_implementation='asymkv_sdpa'"):
+        make_cache(f"asymkv-{preset}-fused", llama.config)
 
 
 def test_peak_rss_sees_an_allocation():
