@@ -39,17 +39,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """argparse ``type=``: an integer ``>= low``."""
+def at_least(low: int, zero_ok: bool = False) -> Callable[[str], int]:
+    """argparse ``type=``: an integer ``>= low`` (or ``0`` too, with ``zero_ok``: a measurement switched off)."""
+    want = f"0 or an integer >= {low}" if zero_ok else f"an integer >= {low}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < low and not (zero_ok and value == 0):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = want
     return parse
 
 
