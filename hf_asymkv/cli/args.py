@@ -41,7 +41,8 @@ class Parser(argparse.ArgumentParser):
 
 def at_least(low: int, zero_ok: bool = False) -> Callable[[str], int]:
     """argparse ``type=``: an integer ``>= low`` (or ``0`` too, with ``zero_ok``: a measurement switched off)."""
-    want = f"0 or an integer >= {low}" if zero_ok else f"an integer >= {low}"
+    bound = f"0 or >= {low}" if zero_ok else f">= {low}"
+    want = f"an integer {bound}"
 
     def parse(text: str) -> int:
         try:
@@ -49,9 +50,9 @@ def at_least(low: int, zero_ok: bool = False) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
         if value < low and not (zero_ok and value == 0):
-            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
-    parse.__name__ = want
+    parse.__name__ = f"integer {bound}"
     return parse
 
 
