@@ -36,7 +36,6 @@ from ..bench.memory import cache_nbytes
 from ..bench.peers import PEERS
 from ..bench.schemes import PRESET_NAMES, SCHEMES, make_cache
 from .attention import run_attention
-from .common import schemes_for
 from .haystack import load_text
 from .ppl import run_ppl
 from .report import flips
@@ -124,19 +123,20 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
         attention_length: prompt length of the attention-KL measurement (0: not measured).
         bytes_length: tokens for the byte count (default: the longest needle length).
         ppl_length, ppl_windows: perplexity windows (:func:`.ppl.run_ppl`, default prefix and chunk; 0: not
-            measured). Schemes that cannot build a cache for the model (transformers' ``QuantizedCache`` on
-            sliding-window models) get NaN and the reason in ``extra["ppl_skipped"]``.
+            measured).
         text: the perplexity text (default: the built-in corpus, :func:`.haystack.load_text`).
+
+    Every scheme must be able to build a cache for the model: filter with :func:`.common.schemes_for` first
+    (transformers' ``QuantizedCache`` refuses sliding-window models), as the CLI does.
 
     Raises:
         ValueError: from the measurements (e.g. a length over the model's limit, a text shorter than
             ``ppl_length`` tokens: checked first, before the needle run).
     """
-    ppl, ppl_skipped = {}, {}
-    if ppl_length:
-        usable, ppl_skipped = schemes_for(model, schemes)
+    ppl = {}
+    if ppl_length:  # first: a text too short for the window fails before the long needle run
         text = load_text(None)[0] if text is None else text
-        ppl = {r.scheme: r for r in run_ppl(model, tokenizer, usable, text, ppl_length, ppl_windows,
+        ppl = {r.scheme: r for r in run_ppl(model, tokenizer, schemes, text, ppl_length, ppl_windows,
                                             show_progress=show_progress)}
     rows = run_needle(model, tokenizer, schemes, lengths, depths, tasks, samples, seed=seed,
                       show_progress=show_progress)
@@ -158,8 +158,7 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
             name, kind_of(name), nbytes[name], nbytes["dynamic"] / nbytes[name],
             _mean([float(r.correct) for r in mine]), *flipped[name], _mean([r.tail_kl for r in mine]),
             att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
-            p.ppl if p else float("nan"), p.delta_pct if p else float("nan"), SCHEMES[name][0],
-            {"ppl_skipped": ppl_skipped[name]} if name in ppl_skipped else {}))
+            p.ppl if p else float("nan"), p.delta_pct if p else float("nan"), SCHEMES[name][0]))
     return out
 
 

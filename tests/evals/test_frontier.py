@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import _build, llama_config
+from conftest import _build, hybrid_config, llama_config
 from helpers import char_tokenizer
-from transformers import LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, LlamaForCausalLM
 
 from hf_asymkv.cli import main
 from hf_asymkv.evals.frontier import FrontierRow, pareto_check, scheme_nbytes
@@ -55,6 +55,20 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     assert kivi.split("|")[-2].strip() == f"{rows['kivi-2']['delta_ppl_pct']:.3g}"
     assert (out / "frontier.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "frontier.md").read_text().startswith("Command: `hf-asymkv eval frontier")
+
+
+def test_hybrid_model_skips_quantized_cache_and_measures_delta_ppl(tmp_path, capsys):
+    model = tmp_path / "gemma3"
+    _build(Gemma3ForCausalLM, hybrid_config(), seed=0).save_pretrained(model)
+    char_tokenizer().save_pretrained(model)
+    out = tmp_path / "run"
+    assert main(["eval", "frontier", "--model", str(model), "--lengths", "600", "--depths", "0.5", "--tasks", "single",
+                 "--attention-length", "0", "--ppl-length", "400", "--schemes", "asymkv,kivi-2,hf-quanto-int4",
+                 "--quiet", "--out", str(out)]) == 0
+    assert "Not run on this model: `hf-quanto-int4`" in capsys.readouterr().out
+    rows = {r["scheme"]: r for r in json.loads((out / "frontier.json").read_text())["rows"]}
+    assert list(rows) == ["dynamic", "asymkv", "kivi-2"]
+    assert rows["asymkv"]["delta_ppl_pct"] != 0 and math.isfinite(rows["kivi-2"]["delta_ppl_pct"])
 
 
 def test_bad_scheme_is_refused_with_the_list(tiny, capsys):
