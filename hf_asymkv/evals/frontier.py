@@ -202,8 +202,8 @@ def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, 
              "attention KL | top-8 overlap | Δppl % |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.x_smaller):
         lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {100 * r.needle_accuracy:.0f}% | "
-                     f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | {_fmt(r.attention_top8, 3)} | "
-                     f"{_fmt(r.delta_ppl_pct, 3)} |")
+                     f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | "
+                     f"{_fmt(r.attention_top8, 3)} | {_fmt(r.delta_ppl_pct, 3)} |")
     text = f"Frontier: bytes and damage per scheme ({prompts} needle prompts)\n\n" + "\n".join(lines)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())

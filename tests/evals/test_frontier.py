@@ -46,7 +46,8 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     # Δppl measured for every scheme: 0 for the reference, and the figure the Pareto check compares
     assert rows["dynamic"]["delta_ppl_pct"] == 0.0 and rows["dynamic"]["ppl"] > 1
     assert all(math.isfinite(r["delta_ppl_pct"]) and r["ppl"] > 0 for r in rows.values())
-    assert all(r["delta_ppl_pct"] != 0 for s, r in rows.items() if s != "dynamic")  # 300 tokens of history: past the 128-token windows
+    # 300 tokens of history: past the 128-token exact windows, so every scheme's Δppl moves
+    assert all(r["delta_ppl_pct"] != 0 for s, r in rows.items() if s != "dynamic")
     assert all("Δppl %" in c["metrics"] for c in data["pareto"])
     assert data["meta"]["ppl_length"] == 600 and data["meta"]["ppl_windows"] == 1
     table = (out / "frontier.md").read_text()
