@@ -129,3 +129,12 @@ def test_ppl_length_refused_at_parse_time(tiny, capsys):
             main(["eval", "frontier", "--model", str(tiny), "--ppl-length", value, "--quiet"])
         assert exit_info.value.code == 2
         assert f"argument --ppl-length: {message}" in capsys.readouterr().err
+
+
+def test_text_file_without_ppl_is_refused(tiny, tmp_path, capsys):
+    text = tmp_path / "book.txt"
+    text.write_text("A sentence. " * 50, encoding="utf-8")
+    assert main(["eval", "frontier", "--model", str(tiny), "--text-file", str(text), "--ppl-length", "0",
+                 "--quiet", "--out", str(tmp_path / "run")]) == 2
+    assert "--ppl-length 0 measures no perplexity" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
