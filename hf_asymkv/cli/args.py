@@ -39,17 +39,20 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """argparse ``type=``: an integer ``>= low``."""
+def at_least(low: int, zero_ok: bool = False) -> Callable[[str], int]:
+    """argparse ``type=``: an integer ``>= low`` (or ``0`` too, with ``zero_ok``: a measurement switched off)."""
+    bound = f"0 or >= {low}" if zero_ok else f">= {low}"
+    want = f"an integer {bound}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < low and not (zero_ok and value == 0):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer {bound}"
     return parse
 
 

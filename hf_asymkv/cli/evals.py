@@ -180,13 +180,17 @@ def _cmd_frontier(args) -> int:
                                   pareto_markdown, plot_frontier, run_frontier)
     from ..evals.report import write_json
 
+    if args.text_file is not None and not args.ppl_length:
+        raise ValueError("--text-file is the Δperplexity text; --ppl-length 0 measures no perplexity")
     args.schemes = args.schemes or list(FRONTIER_SCHEMES)
     tasks = args.tasks
-    lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else []}
-    model, tokenizer, schemes, skipped, _, _ = _prepare(args, False, lengths)
+    lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else [],
+               "--ppl-length": [args.ppl_length] if args.ppl_length else []}
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.ppl_length > 0, lengths)
     start = time.perf_counter()
     rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples,
-                        args.attention_length, args.bytes_length, args.seed, show_progress=not args.quiet)
+                        args.attention_length, args.bytes_length, args.seed, args.ppl_length, args.ppl_windows, text,
+                        show_progress=not args.quiet)
     seconds = time.perf_counter() - start
     checks = pareto_check(rows)
     prompts = len(args.lengths) * len(args.depths) * len(tasks) * args.samples
@@ -196,12 +200,15 @@ def _cmd_frontier(args) -> int:
         out = Path(args.out)
         meta = _meta(args, model, seconds, lengths=args.lengths, depths=args.depths, tasks=tasks,
                      samples=args.samples, attention_length=args.attention_length,
-                     bytes_length=args.bytes_length or max(args.lengths), seed=args.seed)
+                     bytes_length=args.bytes_length or max(args.lengths), ppl_length=args.ppl_length,
+                     ppl_windows=args.ppl_windows, text_source=source, seed=args.seed)
         write_json(out / "frontier.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                            "rows": [asdict(r) for r in rows], "pareto": checks})
         _write_md(out / "frontier.md", meta, table)
         plot_frontier(rows, f"{args.model.split('/')[-1]}: damage per byte, ours vs peers ({prompts} needle "
-                      f"prompts at {','.join(map(str, args.lengths))} tokens)", out / "frontier.png")
+                      f"prompts at {','.join(map(str, args.lengths))} tokens"
+                      + (f"; Δppl on {args.ppl_windows} x {args.ppl_length}-token text window(s))" if args.ppl_length
+                         else ")"), out / "frontier.png")
     return 0
 
 
@@ -234,8 +241,12 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--out", type=folder_path, default=None, help=f"folder for {name}.json, {name}.md and the figure")
     if text_flag:
-        p.add_argument(text_flag, dest="text_file", default=None, help="local UTF-8 text file (default: the "
-                       "built-in corpus, Python's pydoc_data.topics)")
+        _add_text_file(p, text_flag)
+
+
+def _add_text_file(p: argparse.ArgumentParser, flag: str, use: str = "") -> None:
+    p.add_argument(flag, dest="text_file", default=None, help=f"local UTF-8 text file{use} (default: the "
+                   "built-in corpus, Python's pydoc_data.topics)")
 
 
 def add_parser(sub) -> None:
@@ -293,6 +304,10 @@ def add_parser(sub) -> None:
                    help="prompt length for per-layer attention KL (0 skips it)")
     e.add_argument("--bytes-length", type=at_least(1), default=None,
                    help="tokens for the byte count (default: the longest --lengths)")
+    e.add_argument("--ppl-length", type=at_least(3, zero_ok=True), default=2048,
+                   help="window length in tokens for Δperplexity, second half scored (0 skips it)")
+    e.add_argument("--ppl-windows", type=at_least(1), default=1, help="Δperplexity windows at spread text offsets")
+    _add_text_file(e, "--text-file", " for Δperplexity")
     e.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(e)
     e.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -9,11 +9,16 @@ For each scheme we record
 - **accuracy**: needle retrieval (:func:`.retrieval.run_needle`), prompts lost/gained against full precision,
   and the mean KL of the tail's next-token distributions against full precision (nats);
 - **attention damage**: per-layer attention KL vs full precision, averaged over layers, and top-8 overlap
-  (:func:`.attention.run_attention`), when ``attention_length`` > 0.
+  (:func:`.attention.run_attention`), when ``attention_length`` > 0;
+- **perplexity damage**: ``delta_ppl_pct`` = 100 * (ppl - full-precision ppl) / full-precision ppl on
+  ``ppl_windows`` windows of ``ppl_length`` tokens of natural text (:func:`.ppl.run_ppl`: the second half of each
+  window is scored through the scheme's quantized history; default text: the built-in corpus of :mod:`.haystack`),
+  when ``ppl_length`` > 0. It can be slightly negative: quantization noise that happens to help on that text.
 
 The Pareto check: a peer *passes* (is matched) when one of our settings spends no more bytes
 (``x_smaller`` at least the peer's) and is at least as accurate on every measured metric (needle prompts lost,
-tail KL, attention KL). A peer no setting of ours matches is a finding, reported as such.
+tail KL, attention KL, Δppl %; raw values compared, so a Δppl below the peer's wins even when both are within noise
+of zero). A peer no setting of ours matches is a finding, reported as such.
 
 Our settings are the presets (``asymkv-<name>`` for every entry of ``hf_asymkv.PRESETS``) and named variations
 of the default, registered as schemes (:data:`OUR_SCHEMES`).
@@ -31,6 +36,8 @@ from ..bench.memory import cache_nbytes
 from ..bench.peers import PEERS
 from ..bench.schemes import PRESET_NAMES, SCHEMES, make_cache
 from .attention import run_attention
+from .haystack import load_text
+from .ppl import run_ppl
 from .report import flips
 from .retrieval import run_needle
 
@@ -72,6 +79,8 @@ class FrontierRow:
     tail_kl: float  # mean KL(full || scheme) of the needle tails' next-token distributions, nats
     attention_kl: float = float("nan")  # per-layer attention KL vs full precision, mean over layers
     attention_top8: float = float("nan")
+    ppl: float = float("nan")  # perplexity through the scheme's cache on the ppl windows
+    delta_ppl_pct: float = float("nan")  # 100 * (ppl - full-precision ppl) / full-precision ppl; NaN: not measured
     description: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -105,6 +114,7 @@ def _mean(values: list[float]) -> float:
 
 def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depths: list[float], tasks: list[str],
                  samples: int = 1, attention_length: int = 0, bytes_length: int | None = None, seed: int = 0,
+                 ppl_length: int = 0, ppl_windows: int = 1, text: str | None = None,
                  show_progress: bool = True) -> list[FrontierRow]:
     """Bytes, needle accuracy and damage of every scheme (``schemes[0]`` must be ``dynamic``).
 
@@ -112,7 +122,22 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
         lengths, depths, tasks, samples: the needle grid (see :func:`.retrieval.run_needle`).
         attention_length: prompt length of the attention-KL measurement (0: not measured).
         bytes_length: tokens for the byte count (default: the longest needle length).
+        ppl_length, ppl_windows: perplexity windows (:func:`.ppl.run_ppl`, default prefix and chunk; 0: not
+            measured).
+        text: the perplexity text (default: the built-in corpus, :func:`.haystack.load_text`).
+
+    Every scheme must be able to build a cache for the model: filter with :func:`.common.schemes_for` first
+    (transformers' ``QuantizedCache`` refuses sliding-window models), as the CLI does.
+
+    Raises:
+        ValueError: from the measurements (e.g. a length over the model's limit, a text shorter than
+            ``ppl_length`` tokens: checked first, before the needle run).
     """
+    ppl = {}
+    if ppl_length:  # first: a text too short for the window fails before the long needle run
+        text = load_text(None)[0] if text is None else text
+        ppl = {r.scheme: r for r in run_ppl(model, tokenizer, schemes, text, ppl_length, ppl_windows,
+                                            show_progress=show_progress)}
     rows = run_needle(model, tokenizer, schemes, lengths, depths, tasks, samples, seed=seed,
                       show_progress=show_progress)
     flipped = flips([asdict(r) for r in rows])
@@ -128,18 +153,19 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
     out = []
     for name in schemes:
         mine = per_scheme[name]
-        att = attention.get(name)
+        att, p = attention.get(name), ppl.get(name)
         out.append(FrontierRow(
             name, kind_of(name), nbytes[name], nbytes["dynamic"] / nbytes[name],
             _mean([float(r.correct) for r in mine]), *flipped[name], _mean([r.tail_kl for r in mine]),
             att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
-            SCHEMES[name][0]))
+            p.ppl if p else float("nan"), p.delta_pct if p else float("nan"), SCHEMES[name][0]))
     return out
 
 
 def _metrics(row: FrontierRow) -> dict[str, float]:
     """Damage metrics, lower is better, that were measured (NaN ones are left out)."""
-    values = {"needle lost": row.lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl}
+    values = {"needle lost": row.lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl,
+              "Δppl %": row.delta_ppl_pct}
     return {k: v for k, v in values.items() if not math.isnan(v)}
 
 
@@ -173,10 +199,11 @@ def _fmt(x: float, digits: int = 4) -> str:
 def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, str] | None = None) -> str:
     """One row per scheme, sorted by compression."""
     lines = ["| scheme | kind | KV bytes | x smaller than bf16 | needle acc | lost / gained | tail KL | "
-             "attention KL | top-8 overlap |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "attention KL | top-8 overlap | Δppl % |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.x_smaller):
         lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {100 * r.needle_accuracy:.0f}% | "
-                     f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | {_fmt(r.attention_top8, 3)} |")
+                     f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | "
+                     f"{_fmt(r.attention_top8, 3)} | {_fmt(r.delta_ppl_pct, 3)} |")
     text = f"Frontier: bytes and damage per scheme ({prompts} needle prompts)\n\n" + "\n".join(lines)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())
@@ -197,6 +224,10 @@ def pareto_markdown(checks: list[dict]) -> str:
             "and is at least as accurate on every metric\n\n" + "\n".join(lines))
 
 
+_PPL_LINEAR = 0.01
+"""Δppl % within which the frontier plot's Δppl axis is linear (symlog beyond)."""
+
+
 def _pareto_line(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points no other point beats on both axes (x: more compression is better, y: lower is better)."""
     front = []
@@ -207,21 +238,30 @@ def _pareto_line(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 
 def plot_frontier(rows: list[FrontierRow], title: str, path):
-    """Two panels against compression (x): needle prompts lost (y) and damage (attention KL when measured,
-    else tail KL; log y). Ours as a Pareto line with its points, peers as labelled points."""
+    """Three panels against compression (x): needle prompts lost; damage (attention KL when measured, else tail
+    KL; log y); Δppl % (left out when no scheme measured it). Ours as a Pareto line with its points, peers as
+    labelled points.
+
+    The Δppl panel uses a symmetric-log y axis, linear within ±``_PPL_LINEAR`` % of zero: Δppl spans orders of
+    magnitude from 8-bit to 2-bit formats, and can be zero or slightly negative (noise that helps on that text),
+    which a log axis cannot show. Values inside the linear band are within measurement noise of
+    each other; the dotted line marks full precision (0).
+    """
     from ..plots import require_matplotlib, save_figure
 
     plt = require_matplotlib()
     measured = not all(math.isnan(r.attention_kl) for r in rows)
     damage = (lambda r: r.attention_kl) if measured else (lambda r: r.tail_kl)
-    panels = [("needle prompts lost vs full precision", lambda r: r.lost, False),
-              (("attention KL" if measured else "tail next-token KL") + " vs full precision (nats)", damage, True)]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    panels = [("needle prompts lost vs full precision", lambda r: r.lost, "linear"),
+              (("attention KL" if measured else "tail next-token KL") + " vs full precision (nats)", damage, "log")]
+    if not all(math.isnan(r.delta_ppl_pct) for r in rows):
+        panels.append(("Δperplexity vs full precision (%)", lambda r: r.delta_ppl_pct, "symlog"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
     styles = {"ours": ("tab:blue", "o"), "peer": ("tab:red", "s"), "baseline": ("tab:gray", "^")}
-    for ax, (label, metric, log) in zip(axes, panels):
+    for ax, (label, metric, scale) in zip(axes[0], panels):
         for kind, (color, marker) in styles.items():
-            pts = [(r.x_smaller, metric(r), r.scheme) for r in rows if r.kind == kind]
-            if log:
+            pts = [(r.x_smaller, metric(r), r.scheme) for r in rows if r.kind == kind and not math.isnan(metric(r))]
+            if scale == "log":
                 pts = [(x, max(y, 1e-7), s) for x, y, s in pts]
             if not pts:
                 continue
@@ -232,7 +272,10 @@ def plot_frontier(rows: list[FrontierRow], title: str, path):
                 front = _pareto_line([(x, y) for x, y, _ in pts])
                 ax.step([p[0] for p in front], [p[1] for p in front], where="post", c=color, alpha=0.6,
                         label="ours: Pareto line")
-        if log:
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=_PPL_LINEAR)
+            ax.axhline(0, color="black", linestyle=":", linewidth=0.8)
+        elif scale == "log":
             ax.set_yscale("log")
         ax.set_xlabel("x smaller than a bf16 DynamicCache (bytes as stored, higher is better)")
         ax.set_ylabel(label + " (lower is better)")

@@ -4,12 +4,13 @@ Pareto rule on hand-made rows, and bad input refused before the model loads."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
-from conftest import _build, llama_config
+from conftest import _build, hybrid_config, llama_config
 from helpers import char_tokenizer
-from transformers import LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, LlamaForCausalLM
 
 from hf_asymkv.cli import main
 from hf_asymkv.evals.frontier import FrontierRow, pareto_check, scheme_nbytes
@@ -32,7 +33,7 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     assert main(["eval", "frontier", "--model", str(tiny), "--lengths", "700", "--depths", "0.5", "--tasks",
                  "single", "--attention-length", "700", "--schemes",
                  "asymkv,asymkv-v2,int8-per-tensor,llama-q4_0-rot,kivi-2,vllm-int4-pth,hf-fp8",
-                 "--quiet", "--out", str(out)]) == 0
+                 "--ppl-length", "600", "--quiet", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "Pareto check:" in printed and "| kivi-2 |" in printed
     data = json.loads((out / "frontier.json").read_text())
@@ -42,8 +43,33 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     assert rows["int8-per-tensor"]["kind"] == "baseline"
     assert all(r["nbytes"] > 0 for r in rows.values()) and rows["kivi-2"]["attention_kl"] >= 0
     assert {c["peer"] for c in data["pareto"]} == {"llama-q4_0-rot", "kivi-2", "vllm-int4-pth", "hf-fp8"}
+    # Δppl measured for every scheme: 0 for the reference, and the figure the Pareto check compares
+    assert rows["dynamic"]["delta_ppl_pct"] == 0.0 and rows["dynamic"]["ppl"] > 1
+    assert all(math.isfinite(r["delta_ppl_pct"]) and r["ppl"] > 0 for r in rows.values())
+    # 300 tokens of history: past the 128-token exact windows, so every scheme's Δppl moves
+    assert all(r["delta_ppl_pct"] != 0 for s, r in rows.items() if s != "dynamic")
+    assert all("Δppl %" in c["metrics"] for c in data["pareto"])
+    assert data["meta"]["ppl_length"] == 600 and data["meta"]["ppl_windows"] == 1
+    table = (out / "frontier.md").read_text()
+    assert "| Δppl % |" in table
+    kivi = next(line for line in table.splitlines() if line.startswith("| kivi-2 |"))
+    assert kivi.split("|")[-2].strip() == f"{rows['kivi-2']['delta_ppl_pct']:.3g}"
     assert (out / "frontier.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "frontier.md").read_text().startswith("Command: `hf-asymkv eval frontier")
+
+
+def test_hybrid_model_skips_quantized_cache_and_measures_delta_ppl(tmp_path, capsys):
+    model = tmp_path / "gemma3"
+    _build(Gemma3ForCausalLM, hybrid_config(), seed=0).save_pretrained(model)
+    char_tokenizer().save_pretrained(model)
+    out = tmp_path / "run"
+    assert main(["eval", "frontier", "--model", str(model), "--lengths", "600", "--depths", "0.5", "--tasks", "single",
+                 "--attention-length", "0", "--ppl-length", "400", "--schemes", "asymkv,kivi-2,hf-quanto-int4",
+                 "--quiet", "--out", str(out)]) == 0
+    assert "Not run on this model: `hf-quanto-int4`" in capsys.readouterr().out
+    rows = {r["scheme"]: r for r in json.loads((out / "frontier.json").read_text())["rows"]}
+    assert list(rows) == ["dynamic", "asymkv", "kivi-2"]
+    assert rows["asymkv"]["delta_ppl_pct"] != 0 and math.isfinite(rows["kivi-2"]["delta_ppl_pct"])
 
 
 def test_bad_scheme_is_refused_with_the_list(tiny, capsys):
@@ -53,8 +79,8 @@ def test_bad_scheme_is_refused_with_the_list(tiny, capsys):
     assert "known cache schemes" in capsys.readouterr().err
 
 
-def _row(name, kind, x, lost, kl):
-    return FrontierRow(name, kind, 1, x, 1.0, lost, 0, kl)
+def _row(name, kind, x, lost, kl, dppl=float("nan")):
+    return FrontierRow(name, kind, 1, x, 1.0, lost, 0, kl, delta_ppl_pct=dppl)
 
 
 def test_pareto_needs_no_more_bytes_and_no_more_damage():
@@ -72,3 +98,43 @@ def test_bytes_of_dynamic_are_bf16():
     config = llama_config()
     # the prefill and one decode step: 101 tokens x layers, K+V, heads, dim, bf16
     assert scheme_nbytes("dynamic", config, 100) == 2 * 2 * 101 * 2 * 16 * 2
+
+
+def test_pareto_fails_a_peer_better_only_on_delta_ppl():
+    rows = [_row("dynamic", "reference", 1, 0, 0, 0.0), _row("ours", "ours", 3.0, 0, 0.01, 0.5),
+            _row("peer-ppl", "peer", 2.5, 0, 0.02, 0.4), _row("peer-worse", "peer", 2.5, 0, 0.02, 0.6),
+            _row("peer-negative", "peer", 2.5, 1, 0.02, -0.01)]
+    checks = {c["peer"]: c for c in pareto_check(rows)}
+    assert not checks["peer-ppl"]["passed"]  # ours wins bytes, needle and KL, but loses on perplexity
+    assert checks["peer-ppl"]["metrics"]["Δppl %"] == {"peer": 0.4, "best_ours": 0.5, "ok": False}
+    assert checks["peer-worse"]["passed"] and checks["peer-worse"]["witness"] == "ours"
+    assert not checks["peer-negative"]["passed"]  # raw values: -0.01 % beats 0.5 %
+    # not measured (NaN) on the peer: Δppl is left out of its check
+    assert pareto_check([_row("ours", "ours", 3.0, 0, 0.01, 0.5), _row("p", "peer", 2.5, 0, 0.02)])[0]["passed"]
+
+
+def test_frontier_without_ppl_has_no_ppl_column_values(tiny, tmp_path):
+    out = tmp_path / "run"
+    assert main(["eval", "frontier", "--model", str(tiny), "--lengths", "700", "--depths", "0.5", "--tasks",
+                 "single", "--attention-length", "0", "--ppl-length", "0", "--schemes", "asymkv,kivi-2",
+                 "--quiet", "--out", str(out)]) == 0
+    rows = json.loads((out / "frontier.json").read_text())["rows"]
+    assert all(math.isnan(r["delta_ppl_pct"]) for r in rows)
+    assert (out / "frontier.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_ppl_length_refused_at_parse_time(tiny, capsys):
+    for value, message in (("2", "must be 0 or >= 3, got 2"), ("x", "expected an integer 0 or >= 3, got 'x'")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", "frontier", "--model", str(tiny), "--ppl-length", value, "--quiet"])
+        assert exit_info.value.code == 2
+        assert f"argument --ppl-length: {message}" in capsys.readouterr().err
+
+
+def test_text_file_without_ppl_is_refused(tiny, tmp_path, capsys):
+    text = tmp_path / "book.txt"
+    text.write_text("A sentence. " * 50, encoding="utf-8")
+    assert main(["eval", "frontier", "--model", str(tiny), "--text-file", str(text), "--ppl-length", "0",
+                 "--quiet", "--out", str(tmp_path / "run")]) == 2
+    assert "--ppl-length 0 measures no perplexity" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
