@@ -104,7 +104,7 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
 
 # The presets (hf_asymkv.PRESETS, which a test holds equal to this list) by their scheme names, named here so that
 # the CLI can list and check names without importing torch.
-PRESET_NAMES = ("quality", "balanced", "compact", "max")
+PRESET_NAMES = ("quality", "balanced", "lean", "compact", "tight", "max")
 
 
 def _preset(name: str) -> Factory:

@@ -240,7 +240,8 @@ class AsymKVCache(Cache):
         """A cache with the settings of preset ``name`` (:data:`hf_asymkv.PRESETS`), ``overrides`` applied on top.
 
         Args:
-            name: ``"quality"``, ``"balanced"``, ``"compact"`` or ``"max"`` (see the README's "Presets").
+            name: ``"quality"``, ``"balanced"``, ``"lean"``, ``"compact"``, ``"tight"`` or ``"max"`` (see the
+                README's "Presets").
             config: the model config (``model.config``).
             **overrides: ``AsymKVConfig`` settings, ``scales=`` or ``key_absmax=`` (calibrated key ranges apply to
                 symmetric per-channel keys only; ``compact`` and ``max`` refuse them).

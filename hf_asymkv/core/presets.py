@@ -18,9 +18,17 @@ PRESETS: dict[str, AsymKVConfig] = {
     # the default (AsymKVConfig() equals it): the 0.1 default's bytes (2.42x) with 3.2x less tail KL: rotated V,
     # 4 exact sinks, window 64
     "balanced": AsymKVConfig(key_format="int8", value_bits=4, value_rotation=True, sink_tokens=4, residual_length=64),
+    # between balanced and compact (3.25x): K int4 asymmetric per channel in 32-token blocks, V int4 rotated; on
+    # Gemma-3-270M the smallest setting of ours with KIVI-4's accuracy (README, Frontier)
+    "lean": AsymKVConfig(key_format="int4", key_symmetric=False, key_block_size=32, value_bits=4,
+                         value_rotation=True, sink_tokens=4, residual_length=32),
     # >= 3.5x (3.61x): K int4 asymmetric per channel in 32-token blocks (KIVI-like), V int3 rotated
     "compact": AsymKVConfig(key_format="int4", key_symmetric=False, key_block_size=32, value_bits=3,
                             value_rotation=True, sink_tokens=4, residual_length=32),
+    # just under 5x (4.995x) for far less damage than max: K int3 asymmetric per channel in 64-token blocks, V int2
+    # rotated, window 32
+    "tight": AsymKVConfig(key_format="int3", key_symmetric=False, key_block_size=64, value_bits=2,
+                          value_rotation=True, sink_tokens=4, residual_length=32),
     # >= 5x (5.23x), lossy: K int2 asymmetric per channel in 32-token blocks, V int2 rotated
     "max": AsymKVConfig(key_format="int2", key_symmetric=False, key_block_size=32, value_bits=2,
                         value_rotation=True, sink_tokens=4, residual_length=64),

@@ -540,7 +540,8 @@ def test_value_group_size_default_divides_head_dim(llama):
 
 # ---------------------------------------------------------------------------------------------- presets
 # Per preset: (top-1 floor, KL ceiling) in teacher-forced greedy with the small window, ~5x looser than measured.
-_PRESET_BOUNDS = {"quality": (0.9, 1e-3), "balanced": (0.85, 5e-3), "compact": (0.7, 3e-2), "max": (0.4, 0.2)}
+_PRESET_BOUNDS = {"quality": (0.9, 1e-3), "balanced": (0.85, 5e-3), "lean": (0.8, 6e-3), "compact": (0.7, 3e-2),
+                  "tight": (0.5, 0.12), "max": (0.4, 0.2)}
 
 
 @pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))

@@ -105,7 +105,8 @@ def _ratio_after(cache: AsymKVCache, tokens: int, head_dim: int) -> float:
 
 # Bytes are a function of shapes only: the ratio vs bf16 after a 4096-token prefill, capacity included, for
 # head_dim 64 (SmolLM2) and 128. The README's table quotes the same figures measured on the real model.
-RATIOS = {"quality": (2.0, 2.0), "balanced": (2.4, 2.4), "compact": (3.5, 3.5), "max": (5.0, 5.0)}
+RATIOS = {"quality": (2.0, 2.0), "balanced": (2.4, 2.4), "lean": (3.2, 3.2), "compact": (3.5, 3.5),
+          "tight": (4.95, 4.95), "max": (5.0, 5.0)}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
@@ -128,7 +129,7 @@ def test_bytes_are_exact_for_3_bit_values():
 
 def test_presets_are_configs_and_overrides_apply():
     assert all(isinstance(c, AsymKVConfig) for c in PRESETS.values())
-    assert list(PRESETS)[:4] == ["quality", "balanced", "compact", "max"]
+    assert list(PRESETS) == ["quality", "balanced", "lean", "compact", "tight", "max"]
     cache = AsymKVCache.from_preset("compact", llama_config(), residual_length=8)
     assert cache.cache_config.residual_length == 8
     assert cache.cache_config.value_bits == PRESETS["compact"].value_bits
@@ -136,7 +137,7 @@ def test_presets_are_configs_and_overrides_apply():
 
 
 def test_unknown_preset_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"Unknown preset 'tiny'; presets: \['quality', 'balanced', 'compact', 'max'"):
+    with pytest.raises(ValueError, match=r"Unknown preset 'tiny'; presets: \['quality', 'balanced', 'lean', 'compact', 'tight', 'max'"):
         AsymKVCache.from_preset("tiny", llama_config())
 
 
