@@ -17,8 +17,11 @@ For each scheme we record
 
 The Pareto check: a peer *passes* (is matched) when one of our settings spends no more bytes
 (``x_smaller`` at least the peer's) and is at least as accurate on every measured metric (needle prompts lost,
-tail KL, attention KL, Δppl %; raw values compared, so a Δppl below the peer's wins even when both are within noise
-of zero). A peer no setting of ours matches is a finding, reported as such.
+tail KL, attention KL, Δppl %). Values are compared as measured, except Δppl: ours counts as no worse unless it
+exceeds the peer's by more than :data:`PPL_TIE_SE` combined standard errors (``sqrt(se_ours**2 + se_peer**2)``,
+from each scheme's per-token NLL differences against full precision, :func:`.ppl.run_ppl`). On one 1k-token
+window the 8-bit formats' Δppl are a few hundredths of a percent either side of zero, well inside that error, and
+ranking them by sign would be ranking noise. A peer no setting of ours matches is a finding, reported as such.
 
 Our settings are the presets (``asymkv-<name>`` for every entry of ``hf_asymkv.PRESETS``) and named variations
 of the default, registered as schemes (:data:`OUR_SCHEMES`).
@@ -41,7 +44,7 @@ from .ppl import run_ppl
 from .report import flips
 from .retrieval import run_needle
 
-__all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierRow", "OUR_SCHEMES", "frontier_markdown", "kind_of",
+__all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierRow", "OUR_SCHEMES", "PPL_TIE_SE", "frontier_markdown", "kind_of",
            "pareto_check", "pareto_markdown", "plot_frontier", "run_frontier", "scheme_nbytes"]
 
 OUR_SCHEMES = (*(f"asymkv-{name}" for name in PRESET_NAMES), "asymkv", "asymkv-sinks4", "asymkv-v2", "asymkv-v8")
@@ -81,6 +84,7 @@ class FrontierRow:
     attention_top8: float = float("nan")
     ppl: float = float("nan")  # perplexity through the scheme's cache on the ppl windows
     delta_ppl_pct: float = float("nan")  # 100 * (ppl - full-precision ppl) / full-precision ppl; NaN: not measured
+    delta_ppl_se: float = 0.0  # standard error of delta_ppl_pct (per-token NLL differences, .ppl.run_ppl)
     description: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -158,7 +162,8 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
             name, kind_of(name), nbytes[name], nbytes["dynamic"] / nbytes[name],
             _mean([float(r.correct) for r in mine]), *flipped[name], _mean([r.tail_kl for r in mine]),
             att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
-            p.ppl if p else float("nan"), p.delta_pct if p else float("nan"), SCHEMES[name][0]))
+            ppl=p.ppl if p else float("nan"), delta_ppl_pct=p.delta_pct if p else float("nan"),
+            delta_ppl_se=p.delta_pct_se if p else 0.0, description=SCHEMES[name][0]))
     return out
 
 
@@ -169,12 +174,26 @@ def _metrics(row: FrontierRow) -> dict[str, float]:
     return {k: v for k, v in values.items() if not math.isnan(v)}
 
 
+PPL_TIE_SE = 2.0
+"""Δppl differences within this many combined standard errors count as a tie in :func:`pareto_check`."""
+
+
+def _no_worse(ours: FrontierRow, peer: FrontierRow, metric: str) -> bool:
+    """Whether ``ours`` is at least as good as ``peer`` on ``metric`` (Δppl: up to :data:`PPL_TIE_SE` combined
+    standard errors worse, i.e. not distinguishable from measurement noise)."""
+    mine, theirs = _metrics(ours).get(metric, math.inf), _metrics(peer)[metric]
+    if metric == "Δppl %":
+        theirs += PPL_TIE_SE * math.hypot(ours.delta_ppl_se, peer.delta_ppl_se)
+    return mine <= theirs
+
+
 def pareto_check(rows: list[FrontierRow]) -> list[dict]:
     """Per peer: the ours that spend no more bytes and match it on every metric (``witness``), or why none does.
 
     Returns:
-        ``[{"peer", "x_smaller", "passed", "witness", "metrics": {metric: {"peer", "best_ours", "ok"}}}]``,
-        where ``best_ours`` is the best value among our settings with ``x_smaller >= the peer's``.
+        ``[{"peer", "x_smaller", "passed", "witness", "metrics": {metric: {"peer", "best_ours", "ok", "tie"}}}]``,
+        where ``best_ours`` is the best value among our settings with ``x_smaller >= the peer's``, ``ok`` whether
+        one of them is no worse (:func:`_no_worse`) and ``tie`` whether that holds only within the Δppl noise.
     """
     ours = [r for r in rows if r.kind == "ours"]
     out = []
@@ -182,11 +201,12 @@ def pareto_check(rows: list[FrontierRow]) -> list[dict]:
         cheaper = [o for o in ours if o.x_smaller >= peer.x_smaller * (1 - 1e-9)]
         pm = _metrics(peer)
         witness = next((o.scheme for o in sorted(cheaper, key=lambda o: o.tail_kl)
-                        if all(_metrics(o).get(m, math.inf) <= v for m, v in pm.items())), None)
+                        if all(_no_worse(o, peer, m) for m in pm)), None)
         metrics = {}
         for m, v in pm.items():
             best = min((_metrics(o).get(m, math.inf) for o in cheaper), default=float("nan"))
-            metrics[m] = {"peer": v, "best_ours": best, "ok": not math.isnan(best) and best <= v}
+            ok = any(_no_worse(o, peer, m) for o in cheaper)
+            metrics[m] = {"peer": v, "best_ours": best, "ok": ok, "tie": ok and not best <= v}
         out.append({"peer": peer.scheme, "x_smaller": peer.x_smaller, "passed": witness is not None,
                     "witness": witness, "metrics": metrics})
     return out
@@ -196,14 +216,24 @@ def _fmt(x: float, digits: int = 4) -> str:
     return "-" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}g}"
 
 
+def _ppl_cell(r: FrontierRow) -> str:
+    if math.isnan(r.delta_ppl_pct) or not r.delta_ppl_se:
+        return _fmt(r.delta_ppl_pct, 3)
+    return f"{r.delta_ppl_pct:.3g} ± {r.delta_ppl_se:.2g}"
+
+
+def _verdict(d: dict) -> str:
+    return "WORSE" if not d["ok"] else "tie (within noise)" if d.get("tie") else "ok"
+
+
 def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, str] | None = None) -> str:
     """One row per scheme, sorted by compression."""
     lines = ["| scheme | kind | KV bytes | x smaller than bf16 | needle acc | lost / gained | tail KL | "
-             "attention KL | top-8 overlap | Δppl % |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "attention KL | top-8 overlap | Δppl % (± s.e.) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.x_smaller):
         lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {100 * r.needle_accuracy:.0f}% | "
                      f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | "
-                     f"{_fmt(r.attention_top8, 3)} | {_fmt(r.delta_ppl_pct, 3)} |")
+                     f"{_fmt(r.attention_top8, 3)} | {_ppl_cell(r)} |")
     text = f"Frontier: bytes and damage per scheme ({prompts} needle prompts)\n\n" + "\n".join(lines)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())
@@ -215,13 +245,14 @@ def pareto_markdown(checks: list[dict]) -> str:
     lines = ["| peer | x smaller | result | our witness | per metric: peer vs best of ours at >= its compression |",
              "|---|---:|---|---|---|"]
     for c in sorted(checks, key=lambda c: c["x_smaller"]):
-        detail = "; ".join(f"{m}: {_fmt(d['peer'], 3)} vs {_fmt(d['best_ours'], 3)} {'ok' if d['ok'] else 'WORSE'}"
+        detail = "; ".join(f"{m}: {_fmt(d['peer'], 3)} vs {_fmt(d['best_ours'], 3)} {_verdict(d)}"
                            for m, d in c["metrics"].items())
         lines.append(f"| {c['peer']} | {c['x_smaller']:.2f} | {'pass' if c['passed'] else 'FAIL'} | "
                      f"{c['witness'] or '-'} | {detail} |")
     passed = sum(c["passed"] for c in checks)
     return (f"Pareto check: {passed} of {len(checks)} peers matched by a setting of ours that spends no more bytes "
-            "and is at least as accurate on every metric\n\n" + "\n".join(lines))
+            f"and is at least as accurate on every metric (Δppl: within {PPL_TIE_SE:g} combined standard errors counts "
+            "as a tie)\n\n" + "\n".join(lines))
 
 
 _PPL_LINEAR = 0.01

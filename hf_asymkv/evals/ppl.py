@@ -36,6 +36,7 @@ class PplRow:
     delta_pct: float  # 100 * delta / full-precision ppl
     top1_agree: float  # fraction of positions whose argmax equals full precision's
     tokens: int
+    delta_pct_se: float = 0.0  # standard error of delta_pct from the per-token NLL differences (see run_ppl)
 
 
 def text_windows(tokenizer, text: str, length: int, windows: int) -> list[torch.Tensor]:
@@ -84,6 +85,11 @@ def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, window
             ``length - prefix - 1`` tokens after it are scored.
         chunk: tokens per scoring call.
 
+    ``delta_pct_se`` is the standard error of ``delta_pct`` from the scored tokens' paired NLL differences
+    against full precision (``100 * exp(mean) * std / sqrt(n)``): how far the figure would move on other text of
+    the same kind. Neighbouring tokens are correlated, so it is a lower bound; a Δppl within a few of it of
+    another is a tie, not a ranking.
+
     Raises:
         ValueError: a length over the model's limit, too short a text, bad prefix/chunk/windows.
     """
@@ -112,10 +118,15 @@ def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, window
             nll[name].append(losses)
             agree[name].append((top == ref_top).float())
     rows = []
-    base = math.exp(float(torch.cat(nll[schemes[0]]).mean()))
+    ref = torch.cat(nll[schemes[0]]).double()
+    base = math.exp(float(ref.mean()))
     for name in schemes:
-        mean_nll = float(torch.cat(nll[name]).mean())
+        mine = torch.cat(nll[name]).double()
+        mean_nll = float(mine.mean())
         ppl = math.exp(mean_nll)
+        diff = mine - ref
+        se = float(diff.std() / math.sqrt(diff.numel())) if diff.numel() > 1 else 0.0
         rows.append(PplRow(name, mean_nll, ppl, ppl - base, 100 * (ppl - base) / base,
-                           float(torch.cat(agree[name]).mean()), int(torch.cat(nll[name]).numel())))
+                           float(torch.cat(agree[name]).mean()), int(mine.numel()),
+                           100 * (ppl / base) * se))
     return rows

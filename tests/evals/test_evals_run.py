@@ -180,6 +180,8 @@ def test_run_ppl_matches_a_plain_forward(llama, tok):
     for r in rows[1:]:
         assert r.ppl != full.ppl and r.delta_pct == pytest.approx(100 * r.delta_ppl / full.ppl)
         assert 0.5 < r.top1_agree < 1.0
+        assert 0 < r.delta_pct_se < 100  # paired per-token differences: nonzero, and a percentage
+    assert full.delta_pct_se == 0.0  # the reference against itself
 
 
 def test_run_ppl_windows_and_bad_input(llama, tok):

@@ -13,7 +13,7 @@ from helpers import char_tokenizer
 from transformers import Gemma3ForCausalLM, LlamaForCausalLM
 
 from hf_asymkv.cli import main
-from hf_asymkv.evals.frontier import FrontierRow, pareto_check, scheme_nbytes
+from hf_asymkv.evals.frontier import PPL_TIE_SE, FrontierRow, pareto_check, pareto_markdown, scheme_nbytes
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -51,9 +51,11 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     assert all("Δppl %" in c["metrics"] for c in data["pareto"])
     assert data["meta"]["ppl_length"] == 600 and data["meta"]["ppl_windows"] == 1
     table = (out / "frontier.md").read_text()
-    assert "| Δppl % |" in table
+    assert "| Δppl % (± s.e.) |" in table
     kivi = next(line for line in table.splitlines() if line.startswith("| kivi-2 |"))
-    assert kivi.split("|")[-2].strip() == f"{rows['kivi-2']['delta_ppl_pct']:.3g}"
+    k = rows["kivi-2"]
+    assert k["delta_ppl_se"] > 0
+    assert kivi.split("|")[-2].strip() == f"{k['delta_ppl_pct']:.3g} ± {k['delta_ppl_se']:.2g}"
     assert (out / "frontier.png").read_bytes().startswith(PNG_MAGIC)
     assert (out / "frontier.md").read_text().startswith("Command: `hf-asymkv eval frontier")
 
@@ -91,7 +93,7 @@ def test_pareto_needs_no_more_bytes_and_no_more_damage():
     assert checks["peer-ok"]["passed"] and checks["peer-ok"]["witness"] == "ours-a"
     assert not checks["peer-smaller"]["passed"]  # nothing of ours is as small
     assert not checks["peer-better"]["passed"]  # ours-b is smaller but loses more
-    assert checks["peer-better"]["metrics"]["needle lost"] == {"peer": 0, "best_ours": 2, "ok": False}
+    assert checks["peer-better"]["metrics"]["needle lost"] == {"peer": 0, "best_ours": 2, "ok": False, "tie": False}
 
 
 def test_bytes_of_dynamic_are_bf16():
@@ -106,11 +108,31 @@ def test_pareto_fails_a_peer_better_only_on_delta_ppl():
             _row("peer-negative", "peer", 2.5, 1, 0.02, -0.01)]
     checks = {c["peer"]: c for c in pareto_check(rows)}
     assert not checks["peer-ppl"]["passed"]  # ours wins bytes, needle and KL, but loses on perplexity
-    assert checks["peer-ppl"]["metrics"]["Δppl %"] == {"peer": 0.4, "best_ours": 0.5, "ok": False}
+    assert checks["peer-ppl"]["metrics"]["Δppl %"] == {"peer": 0.4, "best_ours": 0.5, "ok": False, "tie": False}
     assert checks["peer-worse"]["passed"] and checks["peer-worse"]["witness"] == "ours"
-    assert not checks["peer-negative"]["passed"]  # raw values: -0.01 % beats 0.5 %
+    assert not checks["peer-negative"]["passed"]  # no standard errors given: raw values, -0.01 % beats 0.5 %
     # not measured (NaN) on the peer: Δppl is left out of its check
     assert pareto_check([_row("ours", "ours", 3.0, 0, 0.01, 0.5), _row("p", "peer", 2.5, 0, 0.02)])[0]["passed"]
+
+
+def test_pareto_delta_ppl_within_noise_is_a_tie():
+    """Δppl differences within PPL_TIE_SE combined standard errors tie; beyond them the peer wins."""
+    def row(name, kind, dppl, se):
+        r = _row(name, kind, 3.0 if kind == "ours" else 2.5, 0, 0.01 if kind == "ours" else 0.02, dppl)
+        r.delta_ppl_se = se
+        return r
+
+    # 0.5 vs 0.4, se 0.05 each: combined 0.0707, 2 x = 0.141 > 0.1 -> tie
+    checks = pareto_check([row("ours", "ours", 0.5, 0.05), row("p", "peer", 0.4, 0.05)])
+    assert checks[0]["passed"] and checks[0]["metrics"]["Δppl %"]["tie"]
+    assert "tie (within noise)" in pareto_markdown(checks)
+    # 0.5 vs 0.3: 0.2 > 0.141 -> the peer is better beyond noise
+    checks = pareto_check([row("ours", "ours", 0.5, 0.05), row("p", "peer", 0.3, 0.05)])
+    assert not checks[0]["passed"] and "WORSE" in pareto_markdown(checks)
+    assert 0.2 > PPL_TIE_SE * math.hypot(0.05, 0.05) > 0.1
+    # better outright: ok, not a tie
+    checks = pareto_check([row("ours", "ours", 0.2, 0.05), row("p", "peer", 0.3, 0.05)])
+    assert checks[0]["metrics"]["Δppl %"] == {"peer": 0.3, "best_ours": 0.2, "ok": True, "tie": False}
 
 
 def test_frontier_without_ppl_has_no_ppl_column_values(tiny, tmp_path):
