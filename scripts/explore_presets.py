@@ -131,15 +131,19 @@ def dominated_by(row, peers: list) -> list[str]:
 
 def candidates_markdown(rows: list) -> str:
     """One line per candidate and preset: settings, bytes, damage, peers dominated, decode-speed concern."""
+    from hf_asymkv import PRESETS
+
+    preset_settings = {name: config.settings() for name, config in PRESETS.items()}
     peers = [r for r in rows if r.kind == "peer"]
     lines = ["| scheme | settings | x smaller | lost / gained | tail KL | attention KL | dominates | slower decode |",
              "|---|---|---:|---:|---:|---:|---|---|"]
     for r in sorted((r for r in rows if r.kind == "ours"), key=lambda r: r.x_smaller):
         settings = CANDIDATES.get(r.scheme)
         text = ", ".join(f"{k}={v}" for k, v in settings.items()) if settings else "(current preset)"
+        preset = preset_settings.get(r.scheme.removeprefix("asymkv-")) if r.scheme.startswith("asymkv-") else None
+        note = slow_decode_note(settings or preset or {})
         lines.append(f"| {r.scheme} | {text} | {r.x_smaller:.2f} | {r.lost} / {r.gained} | {r.tail_kl:.4g} | "
-                     f"{r.attention_kl:.4g} | {', '.join(dominated_by(r, peers)) or '-'} | "
-                     f"{slow_decode_note(settings) if settings else '-'} |")
+                     f"{r.attention_kl:.4g} | {', '.join(dominated_by(r, peers)) or '-'} | {note} |")
     return "\n".join(lines)
 
 
