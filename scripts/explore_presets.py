@@ -75,6 +75,10 @@ CANDIDATES: dict[str, dict] = {
     "cand-k3a128-v2r-w32": dict(key_format="int3", key_block_size=128, value_bits=2, residual_length=32, **_LOWBIT_K),
     "cand-k2a128-v3r-w32": dict(key_format="int2", key_block_size=128, value_bits=3, residual_length=32, **_LOWBIT_K),
     "cand-k2a64-v2r-w32": dict(key_format="int2", key_block_size=64, value_bits=2, residual_length=32, **_LOWBIT_K),
+    # max alternatives: K int3 (int2 K loses most needles on SmolLM2) with a shorter window to pass 5x there
+    "cand-k3a64-v2r-w16": dict(key_format="int3", key_block_size=64, value_bits=2, residual_length=16, **_LOWBIT_K),
+    "cand-k3a64-v2r-w0s0": dict(key_format="int3", key_block_size=64, value_bits=2, residual_length=0,
+                                key_symmetric=False, sink_tokens=0),
 }
 """Candidate settings (``AsymKVConfig`` fields over its defaults; ``value_rotation`` stays True)."""
 
@@ -175,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--candidates", default=None, help="comma-separated subset of the candidates (default: all)")
     p.add_argument("--peers", default=PEERS, help="comma-separated peer schemes (default: %(default)s)")
     p.add_argument("--presets", default=PRESETS, help="comma-separated preset schemes (default: %(default)s)")
+    p.add_argument("--needle-grid", action="store_true", help="instead: the 48-prompt SmolLM2 needle grid "
+                   "(hf-asymkv eval needle --lengths 1024,2048,4096,8192 --depths 0.1,0.5,0.9) on the candidates")
     p.add_argument("--bytes-only", action="store_true", help="print x smaller per scheme and stop (no model run)")
     p.add_argument("--footprint", action="store_true", help="also memory_footprint() ratios after a real prefill")
     p.add_argument("--out", default="/tmp/explore_presets", help="folder for <name>.json (default: %(default)s)")
@@ -196,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     register(names)
     model_path = os.path.expanduser(args.model)
     others = [s for s in (args.peers + "," + args.presets).split(",") if s]
+    if args.needle_grid:  # the CLI with the candidates registered, so that --schemes accepts their names
+        from hf_asymkv.cli.app import main as cli_main
+
+        return cli_main(["eval", "needle", "--model", model_path, "--lengths", "1024,2048,4096,8192", "--depths",
+                         "0.1,0.5,0.9", "--samples", "1", "--threads", str(args.threads), "--quiet", "--schemes",
+                         ",".join(names), "--out", str(Path(args.out) / f"{args.name}_needle")])
     if args.bytes_only:
         bytes_only(model_path, others + names, BYTES_LENGTH)
         return 0
