@@ -28,13 +28,18 @@ def best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--block", type=int, default=128, help="tokens per block (the store's block size)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for name in ("tokens", "block", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.tokens % args.block:
+        p.error(f"--tokens must be a multiple of --block (whole blocks are stored), got {args.tokens} and {args.block}")
     torch.set_num_threads(args.threads)
     x = torch.randn(1, 3, args.tokens, 64, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
