@@ -1,6 +1,8 @@
 """Plain helpers shared by several test modules (fixtures live in conftest.py)."""
 
+import importlib.util
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -46,3 +48,12 @@ def word_tokenizer():
     core = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (scripts are not a package), for the script smoke tests."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -76,7 +76,7 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
                "asymkv-balanced since 0.2)", _asymkv()),
     "asymkv-fused": (
         "ours, defaults, with the fused attention over the codes (attn_implementation='asymkv_sdpa')",
-        lambda c: _fused(_asymkv())(c),
+        _fused(_asymkv()),
     ),
     "asymkv-fp8": ("ours with K fp8-e4m3 per-channel", _asymkv(key_format="fp8_e4m3")),
     "asymkv-v2": ("ours with V int2 per token", _asymkv(value_bits=2)),

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "decode_bench.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def decode_bench():
-    spec = importlib.util.spec_from_file_location("decode_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_bench")
 
 
 def test_small_run_prints_every_width(decode_bench, capsys, single_thread):

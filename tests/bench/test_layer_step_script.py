@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "layer_step.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def layer_step():
-    spec = importlib.util.spec_from_file_location("layer_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("layer_step")
 
 
 def test_small_run_writes_table(layer_step, tmp_path, monkeypatch, single_thread):
