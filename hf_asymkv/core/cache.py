@@ -169,12 +169,14 @@ class AsymKVCache(Cache):
         for layer in self.layers:
             reset_layer(layer)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see
-        :class:`~hf_asymkv.core.layer.AsymKVLayer`). transformers' ``generate`` calls this for assisted decoding."""
+        :class:`~hf_asymkv.core.layer.AsymKVLayer`). transformers' ``generate`` calls this for assisted decoding;
+        from 5.25 it passes ``recurrent_states_to_keep=`` (meant for recurrent layers), forwarded to every layer as
+        transformers' own ``Cache`` does."""
         for layer in self.layers:
             if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+                layer.activate_past_recording(**kwargs)
 
     @staticmethod
     def _check_key_ranges(key_absmax: dict, layer_configs: list, text_config) -> None:

@@ -14,7 +14,8 @@ deleting the shims whose range fell below it.
   layers from 5.18 only; ``reset_layer`` empties them on every release.
 - :data:`DUMMY_LAYER_CLASSES`: transformers' placeholder layer for KV-less layers (from 5.23).
 - :data:`GENERATE_RECORDS_PAST`: whether ``generate`` calls ``activate_past_recording`` before assisted
-  decoding (from 5.14), which makes deep rollbacks exact.
+  decoding (from 5.14), which makes deep rollbacks exact; from 5.25 it passes ``recurrent_states_to_keep=``, which
+  our layers accept and ignore (it concerns recurrent layers).
 """
 
 from __future__ import annotations

@@ -184,11 +184,12 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Defer quantization to the next ``crop``, so that a rollback of the tokens added since is exact.
 
         transformers' ``generate`` calls this (through the cache) before assisted decoding and turns it off
-        (``record_past = False``) when it hands the cache back.
+        (``record_past = False``) when it hands the cache back. Keyword arguments (``recurrent_states_to_keep``,
+        passed from transformers 5.25 for recurrent layers) do not concern attention layers and are ignored.
         """
         self.record_past = True
 
