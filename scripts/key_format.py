@@ -111,10 +111,11 @@ def sqnr(signal: float, noise: float) -> float:
 @torch.no_grad()
 def check_prefill(model, tokenizer, length: int) -> float:
     """Max |logit| difference between the shared-prefill shortcut and a real two-call AsymKVCache run."""
+    from transformers import DynamicCache
+
     from hf_asymkv import AsymKVCache, cache_kwargs
     from hf_asymkv.evals.evaluate import encode_prompt
     from hf_asymkv.evals.tasks import make_needle_prompt
-    from transformers import DynamicCache
 
     ids = encode_prompt(tokenizer, make_needle_prompt(tokenizer, length, 0.5, seed=99))
     head, tail = ids[:, :-TAIL], ids[:, -TAIL:]
@@ -132,10 +133,11 @@ def check_prefill(model, tokenizer, length: int) -> float:
 
 @torch.no_grad()
 def run(model, tokenizer, lengths: list[int], samples: int) -> tuple[list[dict], dict[int, dict]]:
+    from transformers import DynamicCache
+
     from hf_asymkv import AsymKVCache, cache_kwargs
     from hf_asymkv.evals.evaluate import compare_continuation, encode_prompt, tail_and_decode
     from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
-    from transformers import DynamicCache
 
     q_layers = full_attention_layers(AsymKVCache(model.config))
     rows, layer_acc = [], {}
@@ -303,6 +305,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     import transformers
+
     from hf_asymkv.models import load_model
 
     t0 = time.time()

@@ -23,8 +23,8 @@ from transformers.cache_utils import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv import AsymKVCache
-from hf_asymkv.core.attention import fused_attention
 from hf_asymkv.cli.args import int_list as _int_list
+from hf_asymkv.core.attention import fused_attention
 from hf_asymkv.core.fileio import atomic_write_text
 from hf_asymkv.core.quant import dequantize
 

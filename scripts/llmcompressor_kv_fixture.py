@@ -73,7 +73,9 @@ def run(model_dir: str, out: Path, observer: str | None) -> None:
     out.mkdir(parents=True)
     save_file(tensors, str(out / "kv_scales.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    import llmcompressor, compressed_tensors, transformers  # noqa: E401  (versions for the record)
+    import compressed_tensors
+    import llmcompressor  # noqa: E401  (versions for the record)
+    import transformers
 
     (out / "MADE_BY.json").write_text(json.dumps({
         "command": f"python scripts/llmcompressor_kv_fixture.py --model {model_dir}"

@@ -39,6 +39,11 @@ def test_help_points_only_at_names_that_exist(name):
         assert bare in hf_asymkv.__all__, f"help({name}) names {bare}, which hf_asymkv does not export"
 
 
+def test_all_lists_exactly_the_lazy_public_names():
+    """``__all__`` is written out for static tools; it must name what ``__getattr__`` serves, no more, no less."""
+    assert sorted(hf_asymkv.__all__) == sorted([*hf_asymkv._PUBLIC, "__version__"])
+
+
 def test_constants_are_public():
     from hf_asymkv import KEY_FORMATS, OVERFLOW_POLICIES, VALUE_BITS
 

@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_asymkv import AsymKVCache, cache_kwargs
-from hf_asymkv.models import ModelNotAvailableError, load_model
 from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
+from hf_asymkv.models import ModelNotAvailableError, load_model
 
 pytestmark = pytest.mark.slow
 

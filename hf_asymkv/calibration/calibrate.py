@@ -156,8 +156,8 @@ def scales_from_stats(stats: dict[int, LayerStats], config, *, statistic: str = 
     """
     import json
 
-    from ..version import __version__
     from ..core.scales import KVScales, config_fingerprint
+    from ..version import __version__
 
     if statistic not in ("absmax", "percentile"):
         raise ValueError(f"statistic must be one of ['absmax', 'percentile'], got {statistic!r}")

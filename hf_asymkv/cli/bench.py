@@ -5,8 +5,20 @@ from __future__ import annotations
 import sys
 
 from ..bench.schemes import ATTENTION, PEER_SCHEMES, scheme_names
-from .args import (DTYPES, add_model_args, add_threads_arg, at_least, command_line, file_path, folder_path, int_list,
-                   load_model_from_args, name_list, set_threads, torch_dtype)
+from .args import (
+    DTYPES,
+    add_model_args,
+    add_threads_arg,
+    at_least,
+    command_line,
+    file_path,
+    folder_path,
+    int_list,
+    load_model_from_args,
+    name_list,
+    set_threads,
+    torch_dtype,
+)
 
 __all__ = ["add_parsers"]
 
@@ -30,8 +42,8 @@ def _cmd_bench(args) -> int:
 
     import torch
 
-    from ..core.fileio import atomic_write_text
     from ..bench.speed import format_speed_table, measure_decode_speed, plot_speed
+    from ..core.fileio import atomic_write_text
 
     schemes = args.schemes
     set_threads(args.threads)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-
 import argparse
+import sys
 
 from .args import add_model_args, at_least, file_path, load_model_from_args
 
@@ -15,7 +14,13 @@ def _cmd_calibrate(args) -> int:
     import json
     import time
 
-    from ..calibration.calibrate import bucket_report, calibrate_model, format_report, percentile_top_k, scales_from_stats
+    from ..calibration.calibrate import (
+        bucket_report,
+        calibrate_model,
+        format_report,
+        percentile_top_k,
+        scales_from_stats,
+    )
     from ..calibration.data import pack_samples, stream_texts
     from ..core.fileio import atomic_write_text
 

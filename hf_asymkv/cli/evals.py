@@ -13,8 +13,18 @@ from pathlib import Path
 
 from ..bench.schemes import scheme_names
 from ..evals.needle import TASKS
-from .args import (add_model_args, add_threads_arg, at_least, command_line, folder_path, fraction_list, int_list,
-                   load_model_from_args, name_list, set_threads)
+from .args import (
+    add_model_args,
+    add_threads_arg,
+    at_least,
+    command_line,
+    folder_path,
+    fraction_list,
+    int_list,
+    load_model_from_args,
+    name_list,
+    set_threads,
+)
 
 __all__ = ["add_parser"]
 
@@ -176,8 +186,8 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_frontier(args) -> int:
-    from ..evals.frontier import (DEFAULT_SCHEMES as FRONTIER_SCHEMES, frontier_markdown, pareto_check,
-                                  pareto_markdown, plot_frontier, run_frontier)
+    from ..evals.frontier import DEFAULT_SCHEMES as FRONTIER_SCHEMES
+    from ..evals.frontier import frontier_markdown, pareto_check, pareto_markdown, plot_frontier, run_frontier
     from ..evals.report import write_json
 
     if args.text_file is not None and not args.ppl_length:

@@ -61,9 +61,9 @@ def _checkpoint_folder(model: str):
 def _cmd_export_vllm(args) -> int:
     from pathlib import Path
 
-    from ..models import load_config
     from ..core.scales import KVScales
     from ..hub.vllm import export_vllm, read_vllm_scales
+    from ..models import load_config
 
     if args.from_checkpoint is not None:  # vLLM / llm-compressor checkpoint -> our scales file
         if args.strategy is not None or args.tp_size != 1:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .evaluate import cache_from_prefix, encode_prompt
-from ..core.compat import cache_kwargs
 from ..bench.schemes import ATTENTION, make_cache
-from .common import check_length, progress
+from ..core.compat import cache_kwargs
 from ..models import input_device
+from .common import check_length, progress
+from .evaluate import cache_from_prefix, encode_prompt
 from .haystack import split_sentences
 from .needle import make_task
 

@@ -15,11 +15,11 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from ..core.compat import cache_kwargs
 from ..bench.memory import cache_nbytes
 from ..core.cache import AsymKVCache
-from .tasks import make_needle_prompt, score_answer
+from ..core.compat import cache_kwargs
 from ..models import input_device
+from .tasks import make_needle_prompt, score_answer
 
 __all__ = ["WARMUP_STEPS", "DemoRow", "StepClock", "bf16_bytes", "format_demo", "run_demo"]
 

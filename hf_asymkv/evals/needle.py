@@ -22,8 +22,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from .tasks import score_answer
 from .haystack import haystack_stream, needle_sentence, random_key, random_value
+from .tasks import score_answer
 
 __all__ = ["MAX_NEW", "N_DISTRACTORS", "N_VALUES", "TASKS", "Needle", "NeedleTask", "make_task", "score_task"]
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .evaluate import cache_from_prefix
-from ..core.compat import cache_kwargs
 from ..bench.schemes import make_cache, scheme_attention
-from .common import check_length, progress
+from ..core.compat import cache_kwargs
 from ..models import input_device
+from .common import check_length, progress
+from .evaluate import cache_from_prefix
 
 __all__ = ["PplRow", "run_ppl", "text_windows"]
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
-from ..core.compat import cache_kwargs
 from ..bench.schemes import make_cache, scheme_attention
-from .common import check_length, progress
+from ..core.compat import cache_kwargs
 from ..models import input_device
+from .common import check_length, progress
+from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
 from .haystack import split_sentences
 from .needle import TASKS, make_task, score_task
 

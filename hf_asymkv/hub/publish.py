@@ -118,8 +118,8 @@ def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results
     Raises:
         ValueError: scales for another model, unknown or invalid settings, bad eval results, non-empty output.
     """
-    from ..version import __version__
     from ..core.cache import AsymKVCache
+    from ..version import __version__
 
     out_dir = Path(out_dir).expanduser()
     check_out_dir(out_dir, overwrite, CONFIG_FILE)  # fail before loading anything

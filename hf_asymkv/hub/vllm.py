@@ -130,8 +130,8 @@ def export_vllm(scales: KVScales | str | Path, out_dir: str | Path, *, config=No
         ``out_dir`` as a Path, holding ``kv_scales.safetensors`` (only ``model.layers.{i}.self_attn.k_scale`` /
         ``v_scale``, float32, 0-dim), ``kv_cache_scheme.json`` and ``README.md``.
     """
-    from ..version import __version__
     from ..core.fileio import write_folder_atomically
+    from ..version import __version__
 
     if isinstance(scales, KVScales):
         scales.validate(config)

@@ -9,10 +9,9 @@ import json
 import pytest
 import torch
 
-from hf_asymkv.cli import main
 from hf_asymkv.bench.schemes import make_cache, scheme_attention
 from hf_asymkv.bench.speed import PeakRSS, format_speed_table, measure_decode_speed, plot_speed
-
+from hf_asymkv.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import FIRST_PLAIN_TOKEN, VOCAB
+from helpers import greedy_with_logits
 from transformers import DynamicCache
 
 from hf_asymkv import AsymKVCache, cache_kwargs
@@ -25,9 +27,6 @@ from hf_asymkv.calibration.calibrate import (
     scales_from_stats,
 )
 from hf_asymkv.core.scales import KVScales
-
-from conftest import FIRST_PLAIN_TOKEN, VOCAB
-from helpers import greedy_with_logits
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import llama_config
 
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
-from hf_asymkv.cli import main
 from hf_asymkv.calibration.data import load_texts, pack_samples
-from hf_asymkv.models import load_model
+from hf_asymkv.cli import main
 from hf_asymkv.core.scales import KVScales
-
-from conftest import llama_config
+from hf_asymkv.models import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

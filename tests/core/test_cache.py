@@ -23,8 +23,12 @@ from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_asymkv import PRESETS, AsymKVCache, AsymKVLayer, cache_kwargs
-from hf_asymkv.core.compat import (DUMMY_LAYER_CLASSES, DYNAMIC_CACHE_RESET_EMPTIES, GENERATE_RECORDS_PAST,
-                                   crop_tokens_to_remove)
+from hf_asymkv.core.compat import (
+    DUMMY_LAYER_CLASSES,
+    DYNAMIC_CACHE_RESET_EMPTIES,
+    GENERATE_RECORDS_PAST,
+    crop_tokens_to_remove,
+)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

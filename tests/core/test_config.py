@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
+from conftest import llama_config
 
 from hf_asymkv import KEY_FORMATS, PRESETS, VALUE_BITS, AsymKVCache, AsymKVConfig
-
-from conftest import llama_config
 
 
 def test_defaults_are_the_documented_ones():

@@ -7,10 +7,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import llama_config
 
 from hf_asymkv import AsymKVCache, AsymKVLayer, QuantSpec
-
-from conftest import llama_config
 
 B, H, D, BLOCK = 1, 2, 16, 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -29,16 +29,22 @@ import os
 
 import pytest
 import torch
+from conftest import llama_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from hf_asymkv import AsymKVCache, AsymKVConfig, AsymKVLayer
 from hf_asymkv.core.attention import QuantizedKV, fused_attention
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
 from hf_asymkv.core.rotation import hadamard, rotate
-
-from conftest import llama_config
 
 H, D, BLOCK = 2, 8, 4
 MAX_BATCH = 4

@@ -11,8 +11,8 @@ import torch
 
 from hf_asymkv import AsymKVLayer
 from hf_asymkv.core.compat import CROP_TAKES_LENGTH_TO_KEEP
-from hf_asymkv.core.store import GrowableBuffer
 from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
+from hf_asymkv.core.store import GrowableBuffer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

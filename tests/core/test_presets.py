@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import llama_config
 from transformers import LlamaConfig
 
 from hf_asymkv import PRESETS, AsymKVCache, AsymKVConfig
@@ -12,8 +13,6 @@ from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.presets import preset_config
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
 from hf_asymkv.core.rotation import hadamard, hadamard_block, rotate, unrotate
-
-from conftest import llama_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

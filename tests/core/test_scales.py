@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import _COMMON, llama_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 import hf_asymkv.core.scales as scales_mod
 from hf_asymkv.core.scales import FORMAT_NAME, FORMAT_VERSION, FP8_E4M3_MAX, KVScales, config_fingerprint
-
-from conftest import _COMMON, llama_config
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 PREFIX = "model.layers.{}.self_attn."

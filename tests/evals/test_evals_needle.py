@@ -11,6 +11,7 @@ import re
 import pytest
 from helpers import char_tokenizer
 
+from hf_asymkv.evals.evaluate import encode_prompt
 from hf_asymkv.evals.haystack import (
     NOISE_SENTENCES,
     builtin_text,
@@ -27,7 +28,6 @@ from hf_asymkv.evals.needle import (
     make_task,
     score_task,
 )
-from hf_asymkv.evals.evaluate import encode_prompt
 
 NEEDLE_RE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
 

@@ -13,6 +13,7 @@ from helpers import char_tokenizer
 from transformers import DynamicCache
 
 from hf_asymkv import cache_kwargs
+from hf_asymkv.bench.schemes import make_cache
 from hf_asymkv.evals.attention import (
     attention_stats,
     eager_attention,
@@ -20,10 +21,9 @@ from hf_asymkv.evals.attention import (
     run_attention,
 )
 from hf_asymkv.evals.common import check_schemes, schemes_for
+from hf_asymkv.evals.evaluate import cache_from_prefix
 from hf_asymkv.evals.ppl import run_ppl
 from hf_asymkv.evals.retrieval import accuracy_table, heatmap_grid, run_needle
-from hf_asymkv.evals.evaluate import cache_from_prefix
-from hf_asymkv.bench.schemes import make_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,20 +11,18 @@ import huggingface_hub
 import pytest
 import torch
 import yaml
+from conftest import llama_config
+from helpers import greedy_with_logits
 
 import hf_asymkv.hub.model_card as model_card_mod
 import hf_asymkv.hub.publish as publish_mod
 from hf_asymkv import AsymKVCache
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.cli import main
-from hf_asymkv.models import DEFAULT_MODEL
 from hf_asymkv.core.pretrained import CONFIG_FILE, SCALES_FILE, load_published
-from hf_asymkv.hub.publish import DEFAULT_CONFIG, publish, push_to_hub
-from hf_asymkv.models import load_config
 from hf_asymkv.core.scales import KVScales, config_fingerprint
-
-from conftest import llama_config
-from helpers import greedy_with_logits
+from hf_asymkv.hub.publish import DEFAULT_CONFIG, publish, push_to_hub
+from hf_asymkv.models import DEFAULT_MODEL, load_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import llama_config
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -19,8 +20,6 @@ from hf_asymkv.core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
 from hf_asymkv.hub.serving import EXPORT_MARKER, SCALES_SHARD, export_serving_checkpoint
 from hf_asymkv.hub.sglang import SGLANG_FILE
 from hf_asymkv.hub.vllm import kv_scale_tensors, read_vllm_scales
-
-from conftest import llama_config
 
 compressed_tensors = pytest.importorskip("compressed_tensors")  # in the `test` extra: CI always runs these
 

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import llama_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_asymkv.cli import main
 from hf_asymkv.core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
 from hf_asymkv.hub.vllm import KV_CACHE_SCHEME, export_vllm, read_vllm_scales
-
-from conftest import llama_config
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 
