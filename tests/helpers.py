@@ -51,9 +51,10 @@ def word_tokenizer():
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` imported as a module (scripts are not a package), for the script smoke tests."""
+    """``scripts/<name>.py`` imported as a module (scripts are not a package), for the script smoke tests;
+    ``name`` may name a subfolder (``studies/key_format``)."""
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(Path(name).name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -323,7 +323,7 @@ def test_cli_export_refusals_exit_2(tmp_path, capsys, case, message):
 
 # ------------------------------------------------------------------------------------------ llm-compressor
 def test_llmcompressor_fixture_imports_and_exports_back_the_same_tensors(tmp_path, capsys):
-    """scripts/llmcompressor_kv_fixture.py made the fixture: llm-compressor's config and kv scales for SmolLM2."""
+    """scripts/studies/llmcompressor_kv_fixture.py made the fixture: llm-compressor's config and kv scales for SmolLM2."""
     from compressed_tensors.quantization import QuantizationConfig
 
     config = json.loads((FIXTURE / "config.json").read_text())

