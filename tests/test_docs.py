@@ -31,7 +31,7 @@ def _prose(text: str) -> str:
 
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -64,10 +64,9 @@ def test_relative_link_reaches_a_file_and_heading(page, line, target):
         assert anchor in _anchors(resolved), f"{_name(page)}:{line}: no heading #{anchor} in {_name(resolved)}"
 
 
-def _shell_lines(page: Path) -> list[tuple[int, str]]:
-    """(line number, command) for every line of the page's shell fences (continuations joined) and every inline
+def _shell_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, command) for every line of a page's shell fences (continuations joined) and every inline
     code span, each a candidate command."""
-    text = page.read_text()
     found = []
     for fence in FENCE.finditer(text):
         if fence.group(1) not in SHELL_FENCES:
@@ -87,12 +86,12 @@ def _shell_lines(page: Path) -> list[tuple[int, str]]:
     return found
 
 
-def _commands(kind: str) -> list[tuple[Path, int, list[str]]]:
+def _commands(kind: str, pages: list[Path] = PAGES) -> list[tuple[Path, int, list[str]]]:
     """``kind="cli"``: the argv after every ``hf-asymkv`` word; ``kind="script"``: every ``scripts/...`` path that
     a ``python``/``bash`` word runs."""
     found = []
-    for page in PAGES:
-        for number, line in _shell_lines(page):
+    for page in pages:
+        for number, line in _shell_lines(page.read_text()):
             try:
                 lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
                 lexer.whitespace_split, lexer.commenters = True, "#"
@@ -119,6 +118,35 @@ def _commands(kind: str) -> list[tuple[Path, int, list[str]]]:
 
 CLI = _commands("cli")
 SCRIPTS = _commands("script")
+
+
+@pytest.mark.parametrize("heading, anchor", [
+    ("Speed: decode against DynamicCache at 1k-16k (the 0.1 default, CPU)",
+     "speed-decode-against-dynamiccache-at-1k-16k-the-01-default-cpu"),
+    ("Publishing scales (`hf-asymkv publish`, `AsymKVCache.from_pretrained`)",
+     "publishing-scales-hf-asymkv-publish-asymkvcachefrom_pretrained"),
+    ("0.2.0 (unreleased)", "020-unreleased"),
+], ids=["punctuation", "code-and-underscore", "version"])
+def test_slug_is_githubs(heading, anchor):
+    assert _slug(heading) == anchor
+
+
+def test_extraction_finds_fenced_continued_inline_and_chained_commands(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("Run `hf-asymkv memory --lengths\n4096` or:\n\n   ```bash\n   OMP_NUM_THREADS=1 hf-asymkv bench \\\n"
+                    "     --lengths 1024 # a comment\n   pip install x && python scripts/layer_step.py --threads 1\n   ```\n")
+    assert [(n, argv) for _, n, argv in _commands("cli", [page])] == [
+        (5, ["bench", "--lengths", "1024"]), (1, ["memory", "--lengths", "4096"])]
+    assert [(n, s) for _, n, s in _commands("script", [page])] == [(7, ["scripts/layer_step.py"])]
+
+
+def test_a_wrong_documented_command_would_fail(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text("```bash\nhf-asymkv memory --schemes bogus\n```\n")
+    (_, _, argv), = _commands("cli", [page])
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2 and "bogus" in capsys.readouterr().err
 
 
 def test_the_docs_quote_commands():
