@@ -57,3 +57,14 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def cli_exit_code(argv: list[str]) -> int:
+    """The exit code of ``hf-asymkv ARGV``, whether the command returned it or argparse exited with it (a value
+    refused while parsing)."""
+    from hf_asymkv.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code

@@ -18,11 +18,12 @@ from .args import (
     add_threads_arg,
     at_least,
     command_line,
-    folder_path,
     fraction_list,
+    input_path,
     int_list,
     load_model_from_args,
     name_list,
+    output_folder,
     set_threads,
 )
 
@@ -241,6 +242,11 @@ def _cmd_eval_synthetic(args) -> int:
     return 0
 
 
+def _results_folder(text: str) -> str:
+    """argparse ``type=``: an existing folder that ``eval report`` can write its summary into."""
+    return output_folder(input_path("folder")(text))
+
+
 def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None) -> None:
     add_model_args(p)
     p.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"), default=DEFAULT_SCHEMES,
@@ -249,24 +255,25 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None)
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--out", type=folder_path, default=None, help=f"folder for {name}.json, {name}.md and the figure")
+    p.add_argument("--out", type=output_folder, default=None, help=f"folder for {name}.json, {name}.md and the figure")
     if text_flag:
         _add_text_file(p, text_flag)
 
 
 def _add_text_file(p: argparse.ArgumentParser, flag: str, use: str = "") -> None:
-    p.add_argument(flag, dest="text_file", default=None, help=f"local UTF-8 text file{use} (default: the "
-                   "built-in corpus, Python's pydoc_data.topics)")
+    p.add_argument(flag, dest="text_file", type=input_path("file"), default=None,
+                   help=f"local UTF-8 text file{use} (default: the built-in corpus, Python's pydoc_data.topics)")
 
 
 def add_parser(sub) -> None:
     """The ``eval`` command and its subcommands."""
-    p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity")
+    p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity, "
+                                    "bytes-vs-damage frontier, report of a results folder")
     evals = p.add_subparsers(dest="eval_command", title="evaluations", metavar="EVAL")
     p.set_defaults(func=None, usage_parser=p)  # `hf-asymkv eval` alone lists the evaluations
     e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
     e.add_argument("--seeds", type=at_least(1), default=5, help="number of random heads")
-    e.add_argument("--out", type=folder_path, default=None, help="folder for synthetic.json and synthetic.md")
+    e.add_argument("--out", type=output_folder, default=None, help="folder for synthetic.json and synthetic.md")
     e.set_defaults(func=_cmd_eval_synthetic)
 
     e = evals.add_parser("needle", help="RULER-style needle retrieval grid (length x depth x task) per scheme")
@@ -321,9 +328,11 @@ def add_parser(sub) -> None:
     e.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(e)
     e.add_argument("--quiet", action="store_true", help="no progress bar")
-    e.add_argument("--out", type=folder_path, default=None, help="folder for frontier.json, frontier.md and frontier.png")
+    e.add_argument("--out", type=output_folder, default=None, help="folder for frontier.json, frontier.md and frontier.png")
     e.set_defaults(func=_cmd_frontier)
 
     e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")
-    e.add_argument("folder", help="an --out folder holding needle.json / attention.json / ppl.json")
+    e.add_argument("folder", type=_results_folder,
+                   help="an --out folder holding needle.json / attention.json / ppl.json (summary.md and the figures "
+                        "are written into it)")
     e.set_defaults(func=_cmd_report)

@@ -311,6 +311,7 @@ def test_cli_export_refusals_exit_2(tmp_path, capsys, case, message):
     argv = ["export-vllm", "--scales", str(path), "--model", str(ckpt), "--out", str(tmp_path / "serve")]
     if case == "gguf":
         argv[4] = str(tmp_path / "model.gguf")
+        (tmp_path / "model.gguf").write_bytes(b"GGUF")
     elif case == "strategy-without-model":
         argv = argv[:3] + ["--out", str(tmp_path / "serve"), "--strategy", "attn_head"]
     elif case == "strategy-with-import":
