@@ -122,6 +122,7 @@ def _cmd_export_vllm(args) -> int:
         print(f"wrote {out}: the checkpoint with {args.strategy or 'tensor'} FP8 KV scales; serve with:\n"
               f"  vllm serve {out} --kv-cache-dtype fp8\n"
               f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype fp8_e4m3")
+        _note_private_links(out)
         return 0
     from ..core.scales import KVScales
     from ..hub.vllm import export_vllm
@@ -131,6 +132,20 @@ def _cmd_export_vllm(args) -> int:
     print(f"wrote {out} (kv_scales.safetensors with {2 * len(scales.k_channel_absmax)} per-tensor scales, "
           "kv_cache_scheme.json, README.md); for a checkpoint vLLM loads as is, pass --model CHECKPOINT")
     return 0
+
+
+def _note_private_links(out: Path) -> None:
+    """Weights are hard-linked, and a link shares its source's permissions: say so when some are narrower than a
+    new file's (a checkpoint written by safetensors is 0600)."""
+    import sys
+
+    from ..core.fileio import usual_mode
+
+    narrow = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mode & 0o777 != usual_mode())
+    if narrow:
+        print(f"note: {', '.join(narrow[:4])}{' ...' if len(narrow) > 4 else ''} keep the permissions of the "
+              f"checkpoint's files (hard links share them: mode {oct(out.joinpath(narrow[0]).stat().st_mode & 0o777)}"
+              "); chmod the source files if others must read the export", file=sys.stderr)
 
 
 def _add_setting_flags(p: argparse.ArgumentParser) -> None:

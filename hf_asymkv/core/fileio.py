@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["OUTPUT_KINDS", "atomic_write", "atomic_write_text", "check_out_dir", "output_problem",
-           "write_folder_atomically"]
+           "usual_mode", "write_folder_atomically"]
 
 OUTPUT_KINDS = ("file", "folder", "any")
 """What an output path must be: a file written whole, a folder (written into or replaced whole), or either."""
@@ -25,6 +25,11 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def usual_mode(folder: bool = False) -> int:
+    """The permissions a new file (or folder) gets here: ``0o666`` (``0o777``) less the process umask."""
+    return (0o777 if folder else 0o666) & ~_umask()
 
 
 def _writable(folder: Path) -> bool:
@@ -121,7 +126,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the usual permissions
+        os.chmod(tmp, usual_mode())  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -181,7 +186,7 @@ def _build_and_rename(out_dir: Path, tmp: Path, build: Callable[[Path], None], o
     folder there is moved aside first and restored if the rename fails)."""
     old_root = None
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; give the folder the usual permissions
+        os.chmod(tmp, usual_mode(folder=True))  # mkdtemp makes it 0700; give the folder the usual permissions
         build(tmp)
         check_out_dir(out_dir, overwrite, marker)  # again: something may have appeared meanwhile
         if out_dir.exists():
