@@ -15,6 +15,7 @@ def _cmd_calibrate(args) -> int:
 
     from ..calibration.calibrate import calibrate_model, percentile_top_k
     from ..calibration.data import stream_texts
+    from ..evals.common import Heartbeat
 
     # A missing file or column fails before the model loads (the first text is read now); the rest is streamed
     # only as far as the samples need. Numeric ranges and the output path were checked while parsing.
@@ -25,7 +26,8 @@ def _cmd_calibrate(args) -> int:
     if args.statistic == "percentile":  # rows above the percentile, per channel, plus the percentile row
         top_k = percentile_top_k(args.percentile, plan.sample_tokens)
     start = time.perf_counter()
-    stats = calibrate_model(model, samples, chunk_size=args.chunk_size, top_k=top_k, progress=not args.quiet)
+    stats = calibrate_model(model, samples, chunk_size=args.chunk_size, top_k=top_k, progress=not args.quiet,
+                            tick=Heartbeat("calibrate"))
     _write(args, stats, model.config, plan, time.perf_counter() - start)
     return 0
 
@@ -116,5 +118,6 @@ def add_parser(sub) -> None:
                    help="for --statistic percentile, in (0, 100)")
     p.add_argument("--out", type=output_file, default="kv_scales.safetensors",
                    help="output file (default kv_scales.safetensors)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (a line about once a minute still says "
+                   "where the run is)")
     p.set_defaults(func=_cmd_calibrate)

@@ -59,6 +59,13 @@ def _prepare(args, needs_text: bool, lengths: dict[str, list[int]]):
     return model, tokenizer, schemes, skipped, text, source
 
 
+def _heartbeat(name: str):
+    """A line on stderr about once a minute, ``--quiet`` or not: where the run is and how long it has taken."""
+    from ..evals.common import Heartbeat
+
+    return Heartbeat(f"eval {name}")
+
+
 def _meta(args, model, seconds: float, **settings) -> dict:
     from ..evals.common import run_meta
 
@@ -84,7 +91,7 @@ def _cmd_needle(args) -> int:
                                                                 {"--lengths": args.lengths})
     start = time.perf_counter()
     rows = run_needle(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples, args.haystack, text,
-                      args.seed, show_progress=not args.quiet)
+                      args.seed, show_progress=not args.quiet, tick=_heartbeat("needle"))
     seconds = time.perf_counter() - start
     by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
     agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
@@ -118,7 +125,7 @@ def _cmd_attention(args) -> int:
     model, tokenizer, schemes, skipped, _, _ = _prepare(args, False, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_attention(model, tokenizer, schemes, args.length, args.samples, args.queries, seed=args.seed,
-                         show_progress=not args.quiet)
+                         show_progress=not args.quiet, tick=_heartbeat("attention"))
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else None
     induction = induction_scores(model, seed=args.seed, prefix_ids=bos)
     seconds = time.perf_counter() - start
@@ -145,7 +152,7 @@ def _cmd_ppl(args) -> int:
     model, tokenizer, schemes, skipped, text, source = _prepare(args, True, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_ppl(model, tokenizer, schemes, text, args.length, args.windows, args.prefix, args.chunk,
-                   show_progress=not args.quiet)
+                   show_progress=not args.quiet, tick=_heartbeat("ppl"))
     seconds = time.perf_counter() - start
     table = ppl_markdown(rows, skipped)
     print(table)
@@ -188,39 +195,62 @@ def _cmd_report(args) -> int:
 
 def _cmd_frontier(args) -> int:
     from ..evals.frontier import DEFAULT_SCHEMES as FRONTIER_SCHEMES
-    from ..evals.frontier import frontier_markdown, pareto_check, pareto_markdown, plot_frontier, run_frontier
-    from ..evals.report import write_json
+    from ..evals.frontier import plot_frontier, run_frontier
+    from ..evals.report import plural
 
     if args.text_file is not None and not args.ppl_length:
         raise ValueError("--text-file is the Δperplexity text; --ppl-length 0 measures no perplexity")
     args.schemes = args.schemes or list(FRONTIER_SCHEMES)
-    tasks = args.tasks
     lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else [],
                "--ppl-length": [args.ppl_length] if args.ppl_length else []}
     model, tokenizer, schemes, skipped, text, source = _prepare(args, args.ppl_length > 0, lengths)
-    start = time.perf_counter()
-    rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples,
+    prompts = len(args.lengths) * len(args.depths) * len(args.tasks) * args.samples
+    start, timeline = time.perf_counter(), []
+
+    def save(state) -> None:  # after every unit of work: a run stopped midway leaves what it measured
+        seconds = time.perf_counter() - start
+        timeline.append([state.status() or "bytes", round(seconds, 1)])
+        if args.out and not state.complete:
+            _write_frontier(args, model, state.rows(), schemes, skipped, source, prompts, seconds, timeline,
+                            status=state.status())
+
+    rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, args.tasks, args.samples,
                         args.attention_length, args.bytes_length, args.seed, args.ppl_length, args.ppl_windows, text,
-                        show_progress=not args.quiet)
-    seconds = time.perf_counter() - start
-    checks = pareto_check(rows)
-    prompts = len(args.lengths) * len(args.depths) * len(tasks) * args.samples
-    table = frontier_markdown(rows, prompts, skipped) + "\n\n" + pareto_markdown(checks)
+                        show_progress=not args.quiet, tick=_heartbeat("frontier"), on_step=save)
+    table = _write_frontier(args, model, rows, schemes, skipped, source, prompts, time.perf_counter() - start,
+                            timeline)
     print(table)
     if args.out:
+        windows = f"; Δppl on {plural(args.ppl_windows, f'{args.ppl_length}-token text window')}"
+        plot_frontier(rows, f"{args.model.split('/')[-1]}: damage per byte, ours vs peers "
+                      f"({plural(prompts, 'needle prompt')} at {','.join(map(str, args.lengths))} tokens"
+                      + (windows if args.ppl_length else "") + ")", Path(args.out) / "frontier.png")
+    return 0
+
+
+def _write_frontier(args, model, rows, schemes, skipped, source, prompts: int, seconds: float, timeline: list,
+                    status: str | None = None) -> str:
+    """The table and Pareto check; with ``--out``, ``frontier.json`` and ``frontier.md`` (atomically). ``status``
+    (what was measured so far) marks partial results, written after each unit of work until the run completes."""
+    from ..evals.frontier import frontier_markdown, pareto_check, pareto_markdown
+    from ..evals.report import write_json
+
+    checks = pareto_check(rows)
+    table = frontier_markdown(rows, prompts, skipped) + "\n\n" + pareto_markdown(checks)
+    if status:
+        table = (f"**Partial results**: the run stopped or is still running; measured so far: {status}. "
+                 "Unmeasured columns read -.\n\n" + table)
+    if args.out:
         out = Path(args.out)
-        meta = _meta(args, model, seconds, lengths=args.lengths, depths=args.depths, tasks=tasks,
+        meta = _meta(args, model, seconds, lengths=args.lengths, depths=args.depths, tasks=args.tasks,
                      samples=args.samples, attention_length=args.attention_length,
                      bytes_length=args.bytes_length or max(args.lengths), ppl_length=args.ppl_length,
-                     ppl_windows=args.ppl_windows, text_source=source, seed=args.seed)
+                     ppl_windows=args.ppl_windows, text_source=source, seed=args.seed,
+                     status=status or "complete", timeline=timeline)
         write_json(out / "frontier.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                            "rows": [asdict(r) for r in rows], "pareto": checks})
         _write_md(out / "frontier.md", meta, table)
-        plot_frontier(rows, f"{args.model.split('/')[-1]}: damage per byte, ours vs peers ({prompts} needle "
-                      f"prompts at {','.join(map(str, args.lengths))} tokens"
-                      + (f"; Δppl on {args.ppl_windows} x {args.ppl_length}-token text window(s))" if args.ppl_length
-                         else ")"), out / "frontier.png")
-    return 0
+    return table
 
 
 def _cmd_eval_synthetic(args) -> int:
@@ -254,7 +284,8 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None)
                    "added first as the reference; schemes a model cannot use are listed as skipped)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (a line about once a minute still says "
+                   "where the run is)")
     p.add_argument("--out", type=output_folder, default=None, help=f"folder for {name}.json, {name}.md and the figure")
     if text_flag:
         _add_text_file(p, text_flag)
@@ -327,7 +358,8 @@ def add_parser(sub) -> None:
     _add_text_file(e, "--text-file", " for Δperplexity")
     e.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(e)
-    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--quiet", action="store_true", help="no progress bars (a line about once a minute still says "
+                   "where the run is)")
     e.add_argument("--out", type=output_folder, default=None, help="folder for frontier.json, frontier.md and frontier.png")
     e.set_defaults(func=_cmd_frontier)
 

@@ -12,11 +12,17 @@ __all__ = [
     "attention_markdown",
     "flips",
     "needle_markdown",
+    "plural",
     "ppl_markdown",
     "read_results",
     "summary_markdown",
     "write_json",
 ]
+
+
+def plural(n: int, noun: str) -> str:
+    """``"1 needle prompt"``, ``"6 needle prompts"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _pct(x: float) -> str:
