@@ -179,6 +179,10 @@ def _cmd_report(args) -> int:
     from ..evals.report import read_results, summary_markdown
 
     folder = Path(args.folder).expanduser()
+    if (folder / "frontier.json").is_file():  # redrawn from its JSON: table wording and figure of this version
+        print(_redraw_frontier(folder))
+        if not any((folder / f"{name}.json").is_file() for name in ("needle", "attention", "ppl")):
+            return 0
     needle, attention, ppl = read_results(folder)
     table = summary_markdown(needle, attention, ppl)
     print(table)
@@ -193,10 +197,28 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _redraw_frontier(folder: Path) -> str:
+    """``frontier.md`` and ``frontier.png`` of a frontier run again from its ``frontier.json`` (rows as measured;
+    the Pareto check, the wording and the figure of this version). Returns the table."""
+    import json
+
+    from ..evals.frontier import FrontierRow, frontier_markdown, pareto_check, pareto_markdown
+    from ..evals.frontier_plot import frontier_title, plot_frontier
+
+    data = json.loads((folder / "frontier.json").read_text(encoding="utf-8"))
+    meta = data["meta"]
+    rows = [FrontierRow(**row) for row in data["rows"]]
+    prompts = len(meta["lengths"]) * len(meta["depths"]) * len(meta["tasks"]) * meta["samples"]
+    table = frontier_markdown(rows, prompts, data.get("skipped")) + "\n\n" + pareto_markdown(pareto_check(rows))
+    _write_md(folder / "frontier.md", meta, table)
+    plot_frontier(rows, frontier_title(meta), folder / "frontier.png")
+    return table
+
+
 def _cmd_frontier(args) -> int:
     from ..evals.frontier import DEFAULT_SCHEMES as FRONTIER_SCHEMES
-    from ..evals.frontier import plot_frontier, run_frontier
-    from ..evals.report import plural
+    from ..evals.frontier import run_frontier
+    from ..evals.frontier_plot import frontier_title, plot_frontier
 
     if args.text_file is not None and not args.ppl_length:
         raise ValueError("--text-file is the Δperplexity text; --ppl-length 0 measures no perplexity")
@@ -204,49 +226,46 @@ def _cmd_frontier(args) -> int:
     lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else [],
                "--ppl-length": [args.ppl_length] if args.ppl_length else []}
     model, tokenizer, schemes, skipped, text, source = _prepare(args, args.ppl_length > 0, lengths)
-    prompts = len(args.lengths) * len(args.depths) * len(args.tasks) * args.samples
+    settings = {"lengths": args.lengths, "depths": args.depths, "tasks": args.tasks, "samples": args.samples,
+                "attention_length": args.attention_length, "bytes_length": args.bytes_length or max(args.lengths),
+                "ppl_length": args.ppl_length, "ppl_windows": args.ppl_windows, "text_source": source,
+                "seed": args.seed}
     start, timeline = time.perf_counter(), []
 
+    def write(rows, status: str | None = None) -> str:
+        return _write_frontier(args, model, rows, schemes, skipped, time.perf_counter() - start,
+                               {**settings, "status": status or "complete", "timeline": timeline}, partial=status)
+
     def save(state) -> None:  # after every unit of work: a run stopped midway leaves what it measured
-        seconds = time.perf_counter() - start
-        timeline.append([state.status() or "bytes", round(seconds, 1)])
+        timeline.append([state.status(), round(time.perf_counter() - start, 1)])
         if args.out and not state.complete:
-            _write_frontier(args, model, state.rows(), schemes, skipped, source, prompts, seconds, timeline,
-                            status=state.status())
+            write(state.rows(), state.status())
 
     rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, args.tasks, args.samples,
                         args.attention_length, args.bytes_length, args.seed, args.ppl_length, args.ppl_windows, text,
                         show_progress=not args.quiet, tick=_heartbeat("frontier"), on_step=save)
-    table = _write_frontier(args, model, rows, schemes, skipped, source, prompts, time.perf_counter() - start,
-                            timeline)
-    print(table)
+    print(write(rows))
     if args.out:
-        windows = f"; Δppl on {plural(args.ppl_windows, f'{args.ppl_length}-token text window')}"
-        plot_frontier(rows, f"{args.model.split('/')[-1]}: damage per byte, ours vs peers "
-                      f"({plural(prompts, 'needle prompt')} at {','.join(map(str, args.lengths))} tokens"
-                      + (windows if args.ppl_length else "") + ")", Path(args.out) / "frontier.png")
+        plot_frontier(rows, frontier_title({"model": args.model, **settings}), Path(args.out) / "frontier.png")
     return 0
 
 
-def _write_frontier(args, model, rows, schemes, skipped, source, prompts: int, seconds: float, timeline: list,
-                    status: str | None = None) -> str:
-    """The table and Pareto check; with ``--out``, ``frontier.json`` and ``frontier.md`` (atomically). ``status``
-    (what was measured so far) marks partial results, written after each unit of work until the run completes."""
+def _write_frontier(args, model, rows, schemes, skipped, seconds: float, settings: dict,
+                    partial: str | None = None) -> str:
+    """The table and Pareto check; with ``--out``, ``frontier.json`` and ``frontier.md`` (atomically). ``partial``
+    (what was measured so far) marks the partial results written after each unit of work."""
     from ..evals.frontier import frontier_markdown, pareto_check, pareto_markdown
     from ..evals.report import write_json
 
     checks = pareto_check(rows)
+    prompts = len(args.lengths) * len(args.depths) * len(args.tasks) * args.samples
     table = frontier_markdown(rows, prompts, skipped) + "\n\n" + pareto_markdown(checks)
-    if status:
-        table = (f"**Partial results**: the run stopped or is still running; measured so far: {status}. "
+    if partial:
+        table = (f"**Partial results**: the run stopped or is still running; measured so far: {partial}. "
                  "Unmeasured columns read -.\n\n" + table)
     if args.out:
         out = Path(args.out)
-        meta = _meta(args, model, seconds, lengths=args.lengths, depths=args.depths, tasks=args.tasks,
-                     samples=args.samples, attention_length=args.attention_length,
-                     bytes_length=args.bytes_length or max(args.lengths), ppl_length=args.ppl_length,
-                     ppl_windows=args.ppl_windows, text_source=source, seed=args.seed,
-                     status=status or "complete", timeline=timeline)
+        meta = _meta(args, model, seconds, **settings)
         write_json(out / "frontier.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                            "rows": [asdict(r) for r in rows], "pareto": checks})
         _write_md(out / "frontier.md", meta, table)
@@ -363,8 +382,9 @@ def add_parser(sub) -> None:
     e.add_argument("--out", type=output_folder, default=None, help="folder for frontier.json, frontier.md and frontier.png")
     e.set_defaults(func=_cmd_frontier)
 
-    e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")
+    e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity; a "
+                                        "frontier run's table and figure drawn again from its frontier.json")
     e.add_argument("folder", type=_results_folder,
-                   help="an --out folder holding needle.json / attention.json / ppl.json (summary.md and the figures "
-                        "are written into it)")
+                   help="an --out folder holding needle.json / attention.json / ppl.json / frontier.json (summary.md, "
+                        "frontier.md and the figures are written into it)")
     e.set_defaults(func=_cmd_report)

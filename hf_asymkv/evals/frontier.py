@@ -47,7 +47,7 @@ from .report import flips, plural
 from .retrieval import answer_prompt, check_grid, needle_prompts
 
 __all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierProgress", "FrontierRow", "OUR_SCHEMES", "PPL_TIE_SE", "frontier_markdown", "kind_of",
-           "pareto_check", "pareto_markdown", "plot_frontier", "run_frontier", "scheme_nbytes"]
+           "pareto_check", "pareto_markdown", "run_frontier", "scheme_nbytes"]
 
 OUR_SCHEMES = (*(f"asymkv-{name}" for name in PRESET_NAMES), "asymkv", "asymkv-sinks4", "asymkv-v2", "asymkv-v8")
 """Our presets (``hf_asymkv.PRESETS``), the default and single-field variations of it."""
@@ -316,64 +316,3 @@ def pareto_markdown(checks: list[dict]) -> str:
     return (f"Pareto check: {passed} of {len(checks)} peers matched by a setting of ours that spends no more bytes "
             f"and is at least as accurate on every metric (Δppl: within {PPL_TIE_SE:g} combined standard errors counts "
             "as a tie)\n\n" + "\n".join(lines))
-
-
-_PPL_LINEAR = 0.01
-"""Δppl % within which the frontier plot's Δppl axis is linear (symlog beyond)."""
-
-
-def _pareto_line(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points no other point beats on both axes (x: more compression is better, y: lower is better)."""
-    front = []
-    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
-        if not front or y < front[-1][1]:
-            front.append((x, y))
-    return sorted(front)
-
-
-def plot_frontier(rows: list[FrontierRow], title: str, path):
-    """Three panels against compression (x): needle prompts lost; damage (attention KL when measured, else tail
-    KL; log y); Δppl % (left out when no scheme measured it). Ours as a Pareto line with its points, peers as
-    labelled points.
-
-    The Δppl panel uses a symmetric-log y axis, linear within ±``_PPL_LINEAR`` % of zero: Δppl spans orders of
-    magnitude from 8-bit to 2-bit formats, and can be zero or slightly negative (noise that helps on that text),
-    which a log axis cannot show. Values inside the linear band are within measurement noise of
-    each other; the dotted line marks full precision (0).
-    """
-    from ..plots import require_matplotlib, save_figure
-
-    plt = require_matplotlib()
-    measured = not all(math.isnan(r.attention_kl) for r in rows)
-    damage = (lambda r: r.attention_kl) if measured else (lambda r: r.tail_kl)
-    panels = [("needle prompts lost vs full precision", lambda r: r.lost, "linear"),
-              (("attention KL" if measured else "tail next-token KL") + " vs full precision (nats)", damage, "log")]
-    if not all(math.isnan(r.delta_ppl_pct) for r in rows):
-        panels.append(("Δperplexity vs full precision (%)", lambda r: r.delta_ppl_pct, "symlog"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
-    styles = {"ours": ("tab:blue", "o"), "peer": ("tab:red", "s"), "baseline": ("tab:gray", "^")}
-    for ax, (label, metric, scale) in zip(axes[0], panels):
-        for kind, (color, marker) in styles.items():
-            pts = [(r.x_smaller, metric(r), r.scheme) for r in rows if r.kind == kind and not math.isnan(metric(r))]
-            if scale == "log":
-                pts = [(x, max(y, 1e-7), s) for x, y, s in pts]
-            if not pts:
-                continue
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, marker=marker, label=kind, zorder=3)
-            for x, y, s in pts:
-                ax.annotate(s, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=color)
-            if kind == "ours":
-                front = _pareto_line([(x, y) for x, y, _ in pts])
-                ax.step([p[0] for p in front], [p[1] for p in front], where="post", c=color, alpha=0.6,
-                        label="ours: Pareto line")
-        if scale == "symlog":
-            ax.set_yscale("symlog", linthresh=_PPL_LINEAR)
-            ax.axhline(0, color="black", linestyle=":", linewidth=0.8)
-        elif scale == "log":
-            ax.set_yscale("log")
-        ax.set_xlabel("x smaller than a bf16 DynamicCache (bytes as stored, higher is better)")
-        ax.set_ylabel(label + " (lower is better)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    return save_figure(fig, path)

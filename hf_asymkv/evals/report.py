@@ -145,5 +145,5 @@ def read_results(folder: str | Path) -> tuple[dict | None, dict | None, dict | N
         path = folder / name
         found.append(json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None)
     if not any(found):
-        raise ValueError(f"{str(folder)!r} holds no needle.json, attention.json or ppl.json")
+        raise ValueError(f"{str(folder)!r} holds no needle.json, attention.json, ppl.json or frontier.json")
     return found[0], found[1], found[2]
