@@ -68,3 +68,19 @@ def cli_exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as exc:
         return exc.code
+
+
+def permissions_enforced() -> bool:
+    """Whether this process is refused a folder without write permission (not when root bypasses modes; root
+    without CAP_DAC_OVERRIDE, e.g. under ``setpriv --inh-caps=-dac_override``, is refused)."""
+    import os
+    import stat
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        locked = os.path.join(root, "locked")
+        os.mkdir(locked, stat.S_IRUSR | stat.S_IXUSR)
+        try:
+            return not os.access(locked, os.W_OK)
+        finally:
+            os.chmod(locked, stat.S_IRWXU)

@@ -5,13 +5,13 @@ within the second rather than after the run."""
 
 from __future__ import annotations
 
-import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import permissions_enforced
 
 import hf_asymkv.models as models
 from hf_asymkv.cli import main
@@ -101,8 +101,8 @@ def test_output_under_a_file(workdir, capsys, command, flag, kind):
     assert _snapshot(workdir) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder whatever its mode, so a read-only folder "
-                                              "cannot be refused (the path-under-a-file case covers root)")
+@pytest.mark.skipif(not permissions_enforced(), reason="this process (root) may write in any folder whatever its "
+                    "mode, so a read-only folder cannot be refused; the path-under-a-file case covers root")
 @pytest.mark.parametrize("command, flag, kind", [c[1:] for c in COMMANDS], ids=IDS)
 def test_output_in_a_folder_without_write_permission(workdir, capsys, command, flag, kind):
     locked = workdir / "locked"
@@ -139,6 +139,45 @@ def test_refusals_import_no_torch(workdir):
     """The checks need only the file system: torch and transformers (seconds to import) never load."""
     argvs = [_argv(c, f, out) for _, c, f, kind in COMMANDS
              for out in (_wrong_kind("folder" if kind == "existing folder" else kind)[0], "notes.txt/x/out")]
+    done = subprocess.run([sys.executable, "-c", _PROBE.format(workdir=str(workdir), argvs=argvs)],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1].split()[1:] == [], done.stdout
+
+
+# (id, argv with the missing path as {missing}); every command names it the same way
+MISSING = [
+    ("demo-model", ["demo", "--model", "{missing}"], "model '{missing}': no such folder"),
+    ("calibrate-model", ["calibrate", "--data", "org/corpus", "--model", "{missing}"], "model '{missing}': no such folder"),
+    ("needle-model", ["eval", "needle", "--model", "{missing}"], "model '{missing}': no such folder"),
+    ("memory-model", ["memory", "--model", "{missing}"], "model '{missing}': no such folder"),
+    ("publish-model", ["publish", "--scales", "kv.safetensors", "--out", "o", "--model", "{missing}"],
+     "model '{missing}': no such folder"),
+    ("export-model", ["export-vllm", "--scales", "kv.safetensors", "--out", "o", "--model", "{missing}"],
+     "model '{missing}': no such folder"),
+    ("publish-scales", ["publish", "--scales", "{missing}", "--out", "o"], "no such file or folder: '{missing}'"),
+    ("export-scales", ["export-vllm", "--scales", "{missing}", "--out", "o"], "no such file or folder: '{missing}'"),
+    ("export-checkpoint", ["export-vllm", "--from-checkpoint", "{missing}", "--out", "o.safetensors"],
+     "no such file or folder: '{missing}'"),
+    ("publish-eval", ["publish", "--scales", "kv.safetensors", "--out", "o", "--eval-results", "{missing}"],
+     "no such file or folder: '{missing}'"),
+    ("calibrate-data", ["calibrate", "--data", "{missing}"], "no such file or folder: '{missing}'"),
+    ("ppl-text", ["eval", "ppl", "--text-file", "{missing}"], "no such file or folder: '{missing}'"),
+    ("report-folder", ["eval", "report", "{missing}"], "no such file or folder: '{missing}'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", [m[1:] for m in MISSING], ids=[m[0] for m in MISSING])
+def test_a_missing_path_reads_the_same_in_every_command(workdir, capsys, argv, message):
+    missing = "./nowhere/x.txt"
+    before = _snapshot(workdir)
+    err = _refused([a.format(missing=missing) for a in argv], capsys)
+    assert message.format(missing=missing) in err
+    assert _snapshot(workdir) == before
+
+
+def test_missing_inputs_are_refused_without_torch(workdir):
+    """publish and export-vllm took 8-16 s to say that a file is missing: they imported torch first."""
+    argvs = [[a.format(missing="./nowhere/x.txt") for a in argv] for _, argv, _ in MISSING]
     done = subprocess.run([sys.executable, "-c", _PROBE.format(workdir=str(workdir), argvs=argvs)],
                           capture_output=True, text=True, check=True)
     assert done.stdout.splitlines()[-1].split()[1:] == [], done.stdout
