@@ -13,7 +13,8 @@ import argparse
 from collections.abc import Callable, Sequence
 
 __all__ = ["DTYPES", "Parser", "add_model_args", "add_threads_arg", "at_least", "command_line", "float_list",
-           "fraction", "fraction_list", "input_path", "int_list", "load_model_from_args", "missing_path", "model_source",
+           "check_inputs", "existing_file", "fraction", "fraction_list", "input_arg", "input_problem", "int_list", "load_model_from_args",
+           "missing_path", "model_source",
            "name_list", "output_file", "output_folder", "output_path", "set_threads", "torch_dtype"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -113,22 +114,55 @@ def missing_path(text: str) -> str:
     return f"no such file or folder: {text!r}"
 
 
-def input_path(kind: str = "any") -> Callable[[str], str]:
-    """argparse ``type=``: an input that must exist now, a ``"file"``, a ``"folder"`` or ``"any"`` of the two; one
-    message for a missing path in every command (:func:`missing_path`)."""
+def input_problem(text: str, kind: str = "any") -> str | None:
+    """Why ``text`` is not an input of ``kind`` (``"file"``, ``"folder"`` or ``"any"``) that exists; None when it is."""
     from pathlib import Path
 
-    def parse(text: str) -> str:
-        path = Path(text).expanduser()
-        if not path.exists():
-            raise argparse.ArgumentTypeError(missing_path(text))
-        if kind == "file" and not path.is_file():
-            raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file")
-        if kind == "folder" and not path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
-        return text
-    parse.__name__ = f"existing {kind}"
-    return parse
+    path = Path(text).expanduser()
+    if not path.exists():
+        return missing_path(text)
+    if kind == "file" and not path.is_file():
+        return f"{text!r} is a folder; give a file"
+    if kind == "folder" and not path.is_dir():
+        return f"{text!r} is a file; give a folder"
+    return None
+
+
+def existing_file(text: str) -> str | None:
+    """:func:`input_problem` for a file."""
+    return input_problem(text, "file")
+
+
+def input_arg(parser: argparse.ArgumentParser, *flags: str, check: Callable[[str], str | None] = input_problem,
+              group=None, **kwargs) -> argparse.Action:
+    """``add_argument`` for a path the command reads; ``check(value)`` (default: it exists) runs when the command
+    starts (:func:`check_inputs`), before anything heavy loads.
+
+    Not an argparse ``type=``: parsing stays independent of files that an earlier step of a workflow makes (the
+    docs' commands are parsed by tests before those files exist); the refusal still comes within the second, with
+    one message for a missing path in every command (:func:`missing_path`).
+
+    Args:
+        group: the argument group (mutually exclusive or not) to add it to; ``parser`` keeps the check.
+    """
+    action = (group or parser).add_argument(*flags, **kwargs)
+    checks = parser.get_default("input_checks") or []
+    parser.set_defaults(input_checks=[*checks, (action.option_strings[0] if action.option_strings else action.dest,
+                                                action.dest, check)])
+    return action
+
+
+def check_inputs(args) -> None:
+    """Run the :func:`input_arg` checks of the parsed command (the inputs given).
+
+    Raises:
+        ValueError: ``"--scales: no such file or folder: 'x'"``, naming the flag.
+    """
+    for flag, dest, check in getattr(args, "input_checks", None) or []:
+        value = getattr(args, dest, None)
+        problem = check(value) if value is not None else None
+        if problem:
+            raise ValueError(f"{flag}: {problem}")
 
 
 def model_source(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .args import add_model_args, at_least, load_model_from_args, missing_path, output_file
+from .args import add_model_args, at_least, input_arg, load_model_from_args, missing_path, output_file
 
 __all__ = ["add_parser"]
 
@@ -84,22 +84,22 @@ def _percentile(text: str) -> float:
     return value
 
 
-def _data_source(text: str) -> str:
-    """argparse ``type=``: ``--data``; a local path that does not exist is refused now (a `datasets` name is
-    looked up when the command runs)."""
+def _data_source(text: str) -> str | None:
+    """Why ``--data`` cannot be read: a local path that does not exist (a `datasets` name is looked up when the
+    samples are read)."""
     from pathlib import Path
 
     from ..calibration.data import looks_like_path
 
     if not Path(text).expanduser().exists() and looks_like_path(text):
-        raise argparse.ArgumentTypeError(missing_path(text))
-    return text
+        return missing_path(text)
+    return None
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="record K/V ranges on long samples into a kv_scales.safetensors file")
     add_model_args(p)
-    p.add_argument("--data", required=True, type=_data_source,
+    input_arg(p, "--data", required=True, check=_data_source,
                    help="local .txt/.md (read as is), .jsonl/.json/.parquet (through `datasets`, streamed) file or "
                         "folder of them, or a `datasets` name")
     p.add_argument("--split", default="train", help="dataset split (datasets names only; default train)")

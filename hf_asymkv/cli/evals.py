@@ -18,8 +18,10 @@ from .args import (
     add_threads_arg,
     at_least,
     command_line,
+    existing_file,
     fraction_list,
-    input_path,
+    input_arg,
+    input_problem,
     int_list,
     load_model_from_args,
     name_list,
@@ -291,9 +293,11 @@ def _cmd_eval_synthetic(args) -> int:
     return 0
 
 
-def _results_folder(text: str) -> str:
-    """argparse ``type=``: an existing folder that ``eval report`` can write its summary into."""
-    return output_folder(input_path("folder")(text))
+def _results_folder(text: str) -> str | None:
+    """Why ``text`` is not an existing folder that ``eval report`` can write its summary into (None: it is)."""
+    from ..core.fileio import output_problem
+
+    return input_problem(text, "folder") or output_problem(text, "folder")
 
 
 def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None) -> None:
@@ -311,7 +315,7 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None)
 
 
 def _add_text_file(p: argparse.ArgumentParser, flag: str, use: str = "") -> None:
-    p.add_argument(flag, dest="text_file", type=input_path("file"), default=None,
+    input_arg(p, flag, dest="text_file", check=existing_file, default=None,
                    help=f"local UTF-8 text file{use} (default: the built-in corpus, Python's pydoc_data.topics)")
 
 
@@ -384,7 +388,7 @@ def add_parser(sub) -> None:
 
     e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity; a "
                                         "frontier run's table and figure drawn again from its frontier.json")
-    e.add_argument("folder", type=_results_folder,
+    input_arg(e, "folder", check=_results_folder,
                    help="an --out folder holding needle.json / attention.json / ppl.json / frontier.json (summary.md, "
                         "frontier.md and the figures are written into it)")
     e.set_defaults(func=_cmd_report)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .args import at_least, input_path, model_source, output_path
+from .args import at_least, existing_file, input_arg, model_source, output_path
 from .settings import core_settings
 
 __all__ = ["add_parsers"]
@@ -190,11 +190,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, type=model_source,
                    help=f"model the scales belong to: HF model id, local folder or .gguf file; only its config is "
                         f"read (default: the embedded {DEFAULT_MODEL})")
-    p.add_argument("--scales", required=True, type=input_path("file"),
-                   help="kv_scales.safetensors file from `hf-asymkv calibrate`")
+    input_arg(p, "--scales", required=True, check=existing_file, help="kv_scales.safetensors file from `hf-asymkv "
+                                                                      "calibrate`")
     p.add_argument("--out", required=True, type=output_path("folder", whole=True),
                    help="folder to create (must not exist or be empty)")
-    p.add_argument("--eval-results", default=None, type=input_path(),
+    input_arg(p, "--eval-results", default=None,
                    help="folder of .md/.json result files (or one such file), quoted verbatim in the card")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", type=_hub_repo_id,
                    help="also upload the folder to this Hub model repo (created if missing; needs a login/HF_TOKEN)")
@@ -214,8 +214,9 @@ def add_parsers(sub) -> None:
                                    "config snippet. --from-checkpoint CKPT --out F.safetensors: read the KV scales of "
                                    "a vLLM / llm-compressor checkpoint into an hf-asymkv scales file.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--scales", default=None, type=input_path("file"), help="our kv_scales.safetensors file to export")
-    src.add_argument("--from-checkpoint", default=None, metavar="CKPT", type=input_path(),
+    input_arg(p, "--scales", group=src, default=None, check=existing_file,
+              help="our kv_scales.safetensors file to export")
+    input_arg(p, "--from-checkpoint", group=src, default=None, metavar="CKPT",
                      help="checkpoint folder (or .safetensors file) holding k_scale/v_scale (per tensor or per head) "
                           "to import")
     p.add_argument("--model", default=None, type=model_source,

@@ -137,6 +137,7 @@ def test_seq_len_beyond_the_models_positions_warns(workdir, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ bad inputs
 BAD = [
     # (id, extra args, data override, message on stderr)
+    ("missing-data-file", [], "{tmp}/missing.txt", r"error: --data: no such file or folder: '.*missing\.txt'"),
     ("empty-data-file", [], "{tmp}/empty.txt", r"error: no text found in '.*empty\.txt'"),
     ("malformed-jsonl", [], "{tmp}/bad.jsonl", r"error: .*bad\.jsonl: cannot be read: .*JSON parse error"),
     ("missing-column", ["--text-field", "body"], "{tmp}/good.jsonl",
@@ -188,10 +189,9 @@ def test_failed_run_leaves_an_existing_output_intact(workdir, tmp_path):
      (["--chunk-size", "0"], "argument --chunk-size: must be >= 1, got 0"),
      (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
      (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
-     (["--model", "/nonexistent/model"], "argument --model: model '/nonexistent/model': no such folder"),
-     (["--data", "/nonexistent/missing.txt"], "argument --data: no such file or folder: '/nonexistent/missing.txt'")],
+     (["--model", "/nonexistent/model"], "argument --model: model '/nonexistent/model': no such folder")],
     ids=["statistic", "seq-len", "dtype", "percentile-150", "percentile-150-absmax", "percentile-0", "chunk-size-0",
-         "seq-len-0", "num-samples-0", "missing-model-folder", "missing-data-file"],
+         "seq-len-0", "num-samples-0", "missing-model-folder"],
 )
 def test_argparse_errors_exit_2(workdir, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as info:

@@ -95,7 +95,7 @@ def test_attention_ppl_and_report(models, tmp_path, capsys):
     (["--lengths", "600,4096"], "--lengths: 4096 tokens exceed the model's max_position_embeddings (1024)"),
     (["--tasks", "single,needle"], "argument --tasks: unknown task(s) ['needle']; known tasks: single, multikey"),
     (["--haystack", "text", "--haystack-file", "/nonexistent/book.txt"],
-     "argument --haystack-file: no such file or folder: '/nonexistent/book.txt'"),
+     "--haystack-file: no such file or folder: '/nonexistent/book.txt'"),
     (["--haystack-file", "{text}"], "add --haystack text (got --haystack noise)"),
 ], ids=["scheme", "depth", "length", "task", "missing-file", "file-without-text"])
 def test_needle_bad_input_exits_2(models, tmp_path, capsys, extra, message):
@@ -113,7 +113,7 @@ def test_ppl_and_attention_bad_input_exit_2(models, tmp_path, capsys):
     assert main(["eval", "attention", *model, "--length", "600", "--queries", "400"]) == 2
     assert "--queries must be in [1, 300], got 400" in capsys.readouterr().err
     assert main(["eval", "report", str(tmp_path)]) == 2
-    assert "holds no needle.json, attention.json or ppl.json" in capsys.readouterr().err
+    assert "holds no needle.json, attention.json, ppl.json or frontier.json" in capsys.readouterr().err
 
 
 def test_missing_matplotlib_is_named_before_the_run(models, tmp_path, capsys, monkeypatch):

@@ -494,11 +494,11 @@ def test_cli_publishes_every_preset(model_dir, scales_file, tmp_path, name):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing-scales", "argument --scales: no such file or folder: '.*nope.safetensors'"),
+    ("missing-scales", "error: --scales: no such file or folder: '.*nope.safetensors'"),
     ("wrong-model", "error: .*fingerprint mismatch"),
     ("non-empty-out", "error: .*exists and is not empty"),
     ("bad-repo", "argument --push-to-hub: invalid Hub repo id"),
-    ("bad-eval", "argument --eval-results: no such file or folder: '.*nothing'"),
+    ("bad-eval", "error: --eval-results: no such file or folder: '.*nothing'"),
     ("bad-setting", "argument --residual-length: must be >= 0, got -1"),
     ("bad-value-bits", "argument --value-bits: invalid choice: 7 \\(choose from 2, 3, 4, 5, 6, 8\\)"),
     ("asymmetric-preset", "error: .*calibrated key ranges are symmetric per-channel scales"),

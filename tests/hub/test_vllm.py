@@ -249,11 +249,11 @@ def test_cli_export_and_import(tmp_path, model_dir, capsys):
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing-scales", "argument --scales: no such file or folder: '.*nope.safetensors'"),
+    ("missing-scales", "error: --scales: no such file or folder: '.*nope.safetensors'"),
     ("not-our-file", "not an hf_asymkv scales file"),
     ("wrong-model", "fingerprint 'num_hidden_layers' is 2 in the scales file but 1 in the model"),
     ("non-empty-out", "exists and is not empty"),
-    ("ckpt-missing", "argument --from-checkpoint: no such file or folder: '.*nowhere'"),
+    ("ckpt-missing", "error: --from-checkpoint: no such file or folder: '.*nowhere'"),
     ("ckpt-no-model", "--from-checkpoint needs --model"),
     ("ckpt-out-exists", "exists; pass --overwrite"),
     ("ckpt-no-scales", "no per-tensor KV scales found"),
