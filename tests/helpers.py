@@ -58,3 +58,30 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def cli_exit_code(argv: list[str]) -> int:
+    """The exit code of ``hf-asymkv ARGV``, whether the command returned it or argparse exited with it (a value
+    refused while parsing)."""
+    from hf_asymkv.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def permissions_enforced() -> bool:
+    """Whether this process is refused a folder without write permission (not when root bypasses modes; root
+    without CAP_DAC_OVERRIDE, e.g. under ``setpriv --inh-caps=-dac_override``, is refused)."""
+    import os
+    import stat
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        locked = os.path.join(root, "locked")
+        os.mkdir(locked, stat.S_IRUSR | stat.S_IXUSR)
+        try:
+            return not os.access(locked, os.W_OK)
+        finally:
+            os.chmod(locked, stat.S_IRWXU)

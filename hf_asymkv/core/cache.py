@@ -20,6 +20,7 @@ from .attention import ATTN_IMPLEMENTATION
 from .compat import cache_layer_types, reset_layer
 from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
 from .layer import AsymKVLayer
+from .reuse import ReuseWatch
 from .scales import KVScales
 
 __all__ = ["AsymKVCache", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
@@ -157,17 +158,33 @@ class AsymKVCache(Cache):
         return any(getattr(c, "_attn_implementation", None) == ATTN_IMPLEMENTATION for c in self._attn_configs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call."""
+        """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call; a new
+        prompt on a cache that already answered one is warned about once (:mod:`~hf_asymkv.core.reuse`)."""
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         if isinstance(layer, AsymKVLayer):
             layer.return_views = self.fused_attention
+            if layer_idx == self.reuse_watch.layer_idx:  # the first quantized layer: once per forward
+                self.reuse_watch.update(key_states.shape[-2], layer.get_seq_length(), layer.record_past)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def crop(self, max_length: int) -> None:
+        """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache."""
+        super().crop(max_length)
+        self.reuse_watch.rewound()
 
     def reset(self) -> None:
         """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:
         :func:`~hf_asymkv.core.compat.reset_layer`)."""
         for layer in self.layers:
             reset_layer(layer)
+        self.reuse_watch.rewound()
+
+    @property
+    def reuse_watch(self) -> ReuseWatch:
+        """The :class:`~hf_asymkv.core.reuse.ReuseWatch` of this cache (made on first use)."""
+        if "_reuse_watch" not in self.__dict__:
+            self._reuse_watch = ReuseWatch(next(i for i, lay in enumerate(self.layers) if isinstance(lay, AsymKVLayer)))
+        return self._reuse_watch
 
     def activate_past_recording(self, **kwargs) -> None:
         """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see
