@@ -97,9 +97,9 @@ def key_stats(keys: torch.Tensor) -> dict:
         "noise": {},
     }
     for fmt in FORMATS:
-        spec = QuantSpec(fmt, "channel", None, True, torch.bfloat16)  # = AsymKVCache's key spec
-        scale, zero = compute_scale_zero(k, spec, BLOCK)
-        deq = dequantize(quantize(k, scale, zero, spec, BLOCK), scale, zero, spec, BLOCK, dtype=torch.float32)
+        spec = QuantSpec(fmt, "channel", None, True, torch.bfloat16, block_size=BLOCK)  # = AsymKVCache's key spec
+        scale, zero = compute_scale_zero(k, spec)
+        deq = dequantize(quantize(k, scale, zero, spec), scale, zero, spec, dtype=torch.float32)
         out["noise"][fmt] = float((k.double() - deq.double()).pow(2).sum())
     return out
 

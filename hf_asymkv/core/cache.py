@@ -153,7 +153,7 @@ class AsymKVCache(Cache):
     @property
     def fused_attention(self) -> bool:
         """Whether the model currently runs ``attn_implementation="asymkv_sdpa"`` (layers then hand attention
-        their codes as :class:`~hf_asymkv.core.attention.QuantizedKV`; every other attention gets dense K/V)."""
+        their codes as :class:`~hf_asymkv.core.kv_view.QuantizedKV`; every other attention gets dense K/V)."""
         return any(getattr(c, "_attn_implementation", None) == ATTN_IMPLEMENTATION for c in self._attn_configs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -266,16 +266,11 @@ class AsymKVCache(Cache):
         # What DynamicCache builds for this config (one layer per layer type): reused for every layer we do not
         # quantize, so sliding windows, linear attention and KV-sharing layers behave exactly as transformers'.
         fallback = DynamicCache(config=text_config).layers
-        c = self.cache_config
-        key_spec, value_spec = c.key_spec(), c.value_spec()
+        layer_config = self.cache_config.layer_config()
         layers = []
         for i, layer_type in enumerate(types):
             if layer_type == "full_attention":
-                layers.append(AsymKVLayer(
-                    key_spec, value_spec, block_size=c.key_block_size, residual_length=c.residual_length,
-                    sink_tokens=c.sink_tokens, growth_factor=c.growth_factor, max_growth_tokens=c.max_growth_tokens,
-                    key_absmax=key_absmax.get(i), overflow_policy=c.overflow_policy,
-                ))  # fmt: skip
+                layers.append(AsymKVLayer(layer_config, key_absmax=key_absmax.get(i)))
             else:
                 layers.append(fallback[i])
         return layers

@@ -2,7 +2,9 @@
 
 `AsymKVCache`, the published ``asymkv_config.json``, the presets and the command line all read this one
 frozen dataclass. A config is model-agnostic: group sizes may be left to ``None`` and are resolved against a
-model's head dims by :meth:`AsymKVConfig.resolved`, which also builds the two :class:`QuantSpec`.
+model's head dims by :meth:`AsymKVConfig.resolved`. What one layer needs of it is a :class:`LayerConfig`
+(:meth:`AsymKVConfig.layer_config`): its two :class:`~hf_asymkv.core.quant.QuantSpec` (block size included),
+window, sinks, overflow policy and buffer :class:`Growth`; layers and stores take that one object.
 
 The dict form (:meth:`AsymKVConfig.to_dict`) carries ``config_version``; :meth:`AsymKVConfig.from_dict`
 reads every version it knows and refuses newer ones by name.
@@ -18,7 +20,7 @@ import torch
 
 from .quant import GRANULARITIES, QuantSpec
 
-__all__ = ["AsymKVConfig", "CONFIG_VERSION", "KEY_FORMATS", "OVERFLOW_POLICIES", "VALUE_BITS"]
+__all__ = ["AsymKVConfig", "CONFIG_VERSION", "Growth", "KEY_FORMATS", "LayerConfig", "OVERFLOW_POLICIES", "VALUE_BITS"]
 
 KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int3", "int2")
 """Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/3/2-bit for ablations and presets."""
@@ -46,6 +48,66 @@ def _check_choice(name: str, value, allowed) -> None:
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How a growable buffer's capacity grows when full.
+
+    Args:
+        factor: capacity multiplier (>= 1; 1 grows by exactly what is needed).
+        max_tokens: the most token rows one growth adds, bounding unused memory.
+    """
+
+    factor: float = 1.25
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not self.factor >= 1:
+            raise ValueError(f"growth factor must be a number >= 1, got {self.factor!r}.")
+        _check_int("max_tokens", self.max_tokens, 1)
+
+    def capacity(self, current: int, needed: int, multiple: int = 1, max_step: int | None = None) -> int:
+        """New capacity (rows) for a buffer of ``current`` rows that must hold ``needed``: ``factor`` x, by at most
+        ``max_step`` rows (default ``max_tokens``), never less than ``needed``, rounded up to ``multiple``."""
+        step = math.ceil(current * (self.factor - 1))
+        step = min(step, self.max_tokens if max_step is None else max_step)
+        return -(-max(needed, current + step) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Everything one quantized layer needs: what :class:`~hf_asymkv.core.layer.AsymKVLayer` and its stores take.
+
+    Args:
+        key_spec, value_spec: how K and V blocks are stored; both carry the layer's ``block_size``.
+        residual_length: newest tokens kept exact.
+        sink_tokens: first tokens kept exact.
+        overflow_policy: one of :data:`OVERFLOW_POLICIES` (calibrated key ranges).
+        growth: how the buffers grow.
+
+    Raises:
+        ValueError: specs with different block sizes, a negative window or sink count, an unknown policy.
+    """
+
+    key_spec: QuantSpec
+    value_spec: QuantSpec
+    residual_length: int = 128
+    sink_tokens: int = 0
+    overflow_policy: str = "widen"
+    growth: Growth = Growth()
+
+    def __post_init__(self) -> None:
+        if self.key_spec.block_size != self.value_spec.block_size:
+            raise ValueError("K and V of a layer are quantized in the same blocks: key_spec.block_size="
+                             f"{self.key_spec.block_size} and value_spec.block_size={self.value_spec.block_size} differ.")
+        _check_int("residual_length", self.residual_length, 0)
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
+
+    @property
+    def block_size(self) -> int:
+        return self.key_spec.block_size
 
 
 @dataclass(frozen=True)
@@ -194,12 +256,18 @@ class AsymKVConfig:
     def key_spec(self) -> QuantSpec:
         """Keys: symmetric unless ``key_symmetric=False``, bf16 scales (a resolved config: group sizes set)."""
         return QuantSpec(self.key_format, self.key_granularity, self.key_group_size, self.key_symmetric,
-                         torch.bfloat16, rotated=self.key_rotation)
+                         torch.bfloat16, rotated=self.key_rotation, block_size=self.key_block_size)
 
     def value_spec(self) -> QuantSpec:
-        """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero."""
+        """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero, in the keys' blocks."""
         return QuantSpec(f"int{self.value_bits}", self.value_granularity, self.value_group_size,
-                         self.value_symmetric, torch.float16, rotated=self.value_rotation)
+                         self.value_symmetric, torch.float16, rotated=self.value_rotation,
+                         block_size=self.key_block_size)
+
+    def layer_config(self) -> LayerConfig:
+        """What one layer takes (a resolved config: group sizes set)."""
+        return LayerConfig(self.key_spec(), self.value_spec(), self.residual_length, self.sink_tokens,
+                           self.overflow_policy, Growth(self.growth_factor, self.max_growth_tokens))
 
     def describe(self) -> str:
         """One line for ``repr`` and logs."""

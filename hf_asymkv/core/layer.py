@@ -18,9 +18,9 @@ A deeper rollback, or one without recording, can only return the tokens of a par
 window as their dequantized values (what attention saw); they are quantized again when they age out, which
 ``stats["requantized_tokens"]`` counts.
 
-Buffers grow geometrically (x ``growth_factor``) but by at most ``max_growth_tokens`` at a time, so appending
-n tokens copies the stored data O(n / max_growth_tokens) times; unused capacity stays a few percent of real
-memory for long caches.
+Buffers grow geometrically (x ``growth.factor``) but by at most ``growth.max_tokens`` at a time, so appending
+n tokens copies the stored data O(n / max_tokens) times; unused capacity stays a few percent of real memory for
+long caches.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention import QuantizedKV
 from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length
-from .config import OVERFLOW_POLICIES
-from .quant import QuantSpec, scale_from_absmax
+from .config import LayerConfig
+from .kv_view import QuantizedKV
+from .quant import scale_from_absmax
 from .store import TensorStore
 
 __all__ = ["AsymKVLayer"]
@@ -44,45 +44,37 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     """Cache layer with quantized K/V blocks between an exact sink prefix and an exact recent window.
 
     Args:
-        key_spec: storage of keys (e.g. int8 per-channel).
-        value_spec: storage of values (e.g. asymmetric int4 per-token groups).
-        block_size: tokens per quantized block; K per-channel scales are per block.
-        residual_length: newest tokens always kept exact.
-        sink_tokens: first tokens always kept exact.
-        growth_factor: capacity multiplier when a buffer is full (> 1).
-        max_growth_tokens: the most tokens of capacity one growth adds.
+        config: the layer's settings (:meth:`hf_asymkv.AsymKVConfig.layer_config`): K and V specs with their block
+            size (K per-channel scales are per block), window (``residual_length`` newest tokens exact), sinks
+            (``sink_tokens`` first tokens exact), overflow policy and buffer growth.
         key_absmax: optional calibrated K range ``[kv_heads, head_dim]`` (post-RoPE absmax). With it, every
-            block uses the calibrated scale unless a value exceeds it, then ``overflow_policy`` applies.
-        overflow_policy: ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate,
-            counted) or ``"error"`` (raise ``ValueError``).
-        return_views: hand attention :class:`~hf_asymkv.core.attention.QuantizedKV` instead of dense K/V once
+            block uses the calibrated scale unless a value exceeds it, then ``config.overflow_policy`` applies:
+            ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate, counted) or ``"error"``
+            (raise ``ValueError``).
+        return_views: hand attention :class:`~hf_asymkv.core.kv_view.QuantizedKV` instead of dense K/V once
             anything is quantized (for ``attn_implementation="asymkv_sdpa"`` only; `AsymKVCache` sets it at
             every update from the model's current attention implementation).
 
     Raises:
-        ValueError: a calibrated ``key_absmax`` with a key spec that is not symmetric per channel (the calibrated
-            range is a symmetric per-channel scale of unrotated keys), or an unknown ``overflow_policy``.
+        ValueError: a config that is not a :class:`~hf_asymkv.core.config.LayerConfig`, or a calibrated
+            ``key_absmax`` with a key spec that is not symmetric per channel (the calibrated range is a symmetric
+            per-channel scale of unrotated keys).
+
+    Example::
+
+        layer = AsymKVLayer(AsymKVConfig(key_block_size=32).resolved([64]).layer_config())
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(
-        self,
-        key_spec: QuantSpec,
-        value_spec: QuantSpec,
-        *,
-        block_size: int = 128,
-        residual_length: int = 128,
-        sink_tokens: int = 0,
-        growth_factor: float = 1.25,
-        max_growth_tokens: int = 256,
-        key_absmax: torch.Tensor | None = None,
-        overflow_policy: str = "widen",
-        return_views: bool = False,
-    ):
+    def __init__(self, config: LayerConfig, *, key_absmax: torch.Tensor | None = None, return_views: bool = False):
         super().__init__()
+        if not isinstance(config, LayerConfig):
+            raise ValueError(f"AsymKVLayer takes a LayerConfig (AsymKVConfig(...).layer_config()), got "
+                             f"{type(config).__name__}.")
+        key_spec = config.key_spec
         if key_absmax is not None and (key_spec.granularity != "channel" or not key_spec.symmetric):
             raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
                              f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
@@ -90,22 +82,24 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         if key_absmax is not None and key_spec.rotated:
             raise ValueError("a calibrated key range (key_absmax) holds ranges of unrotated key channels: it needs a key "
                              "spec with rotated=False (key_rotation=False), got rotated=True.")
-        if overflow_policy not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow_policy must be one of {list(OVERFLOW_POLICIES)}, got {overflow_policy!r}.")
+        self.config = config
         self.return_views = return_views
         self.record_past = False
-        self.key_spec, self.value_spec = key_spec, value_spec
-        self.block_size, self.residual_length, self.sink_tokens = block_size, residual_length, sink_tokens
-        self.growth_factor, self.max_growth_tokens = growth_factor, max_growth_tokens
         self.key_absmax = key_absmax
-        self.overflow_policy = overflow_policy
         self.stats: Counter = Counter()
         self._clear()
 
+    # The settings as attributes (read by the cache, the tests and tools): one source, the config.
+    key_spec = property(lambda self: self.config.key_spec)
+    value_spec = property(lambda self: self.config.value_spec)
+    block_size = property(lambda self: self.config.block_size)
+    residual_length = property(lambda self: self.config.residual_length)
+    sink_tokens = property(lambda self: self.config.sink_tokens)
+    overflow_policy = property(lambda self: self.config.overflow_policy)
+
     def _clear(self) -> None:
-        args = (self.block_size, self.growth_factor, self.max_growth_tokens)
-        self.key_store = TensorStore("key", self.key_spec, *args)
-        self.value_store = TensorStore("value", self.value_spec, *args)
+        self.key_store = TensorStore("key", self.key_spec, self.config.growth)
+        self.value_store = TensorStore("value", self.value_spec, self.config.growth)
         self.cumulative_length = 0
 
     @property

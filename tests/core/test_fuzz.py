@@ -42,7 +42,8 @@ from hypothesis.stateful import (
 )
 
 from hf_asymkv import AsymKVCache, AsymKVConfig, AsymKVLayer
-from hf_asymkv.core.attention import QuantizedKV, fused_attention
+from hf_asymkv.core.attention import fused_attention
+from hf_asymkv.core.kv_view import QuantizedKV
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
 from hf_asymkv.core.rotation import hadamard, rotate
 
@@ -189,8 +190,7 @@ class LayerMachine(RuleBasedStateMachine):
                               key_symmetric=self.key_symmetric, key_rotation=self.key_rotation,
                               value_rotation=self.value_rotation).resolved([D])
         self.key_absmax = torch.rand(H, D) * 2 + 0.05 if self.calibrated else None
-        self.layer = AsymKVLayer(config.key_spec(), config.value_spec(), block_size=BLOCK, residual_length=residual,
-                                 sink_tokens=self.sinks, max_growth_tokens=8,
+        self.layer = AsymKVLayer(config.layer_config(),
                                  key_absmax=None if self.key_absmax is None else self.key_absmax.clone())
         if recording:
             self.layer.activate_past_recording()

@@ -134,3 +134,43 @@ def test_public_names_resolve_and_unknown_names_fail():
     assert set(hf_asymkv.__all__) <= set(dir(hf_asymkv))
     with pytest.raises(AttributeError, match="no attribute 'KEY_FORMAT'.*public names"):
         hf_asymkv.KEY_FORMAT
+
+
+# Settings flow as one object: layers and stores take a LayerConfig / QuantSpec / Growth, not loose settings.
+MAX_SETTINGS_ARGUMENTS = 5
+
+
+def _settings_arguments() -> dict[str, list[str]]:
+    """``{callable: [its parameters named like an AsymKVConfig field]}`` for every public callable of the core
+    (functions, classes, methods) apart from AsymKVConfig itself."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from hf_asymkv.core.config import AsymKVConfig
+
+    names = {f.name for f in dataclasses.fields(AsymKVConfig)} | {"block_size"}
+    found = {}
+    for path in CORE_FILES:
+        module = importlib.import_module(_module_name(path))
+        for public in getattr(module, "__all__", ()):
+            obj = getattr(module, public)
+            targets = [(public, obj)] if callable(obj) else []
+            if inspect.isclass(obj) and obj is not AsymKVConfig:
+                targets += [(f"{public}.{n}", m) for n, m in vars(obj).items() if inspect.isfunction(m)]
+            elif obj is AsymKVConfig:
+                targets = []
+            for name, fn in targets:
+                try:
+                    params = inspect.signature(fn).parameters
+                except (TypeError, ValueError):
+                    continue
+                found[f"{module.__name__}.{name}"] = [p for p in params if p in names]
+    return found
+
+
+def test_no_core_callable_takes_more_than_five_settings():
+    found = _settings_arguments()
+    assert "hf_asymkv.core.layer.AsymKVLayer" in found  # the walker sees the layer
+    too_many = {name: params for name, params in found.items() if len(params) > MAX_SETTINGS_ARGUMENTS}
+    assert not too_many, f"pass an AsymKVConfig / LayerConfig instead of loose settings: {too_many}"
