@@ -84,8 +84,9 @@ CANDIDATES: dict[str, dict] = {
 
 
 def _head_dim(config) -> int:
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    from hf_asymkv.core.shapes import layer_shapes
+
+    return next(s.head_dim for s in layer_shapes(config) if s.quantized)
 
 
 def _factory(settings: dict):

@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..core.shapes import layer_shapes
 from . import peer_formats as pf
 
 __all__ = ["PEERS", "KiviLayer", "PeerCache", "PeerFormat", "PeerLayer", "make_peer_cache"]
@@ -245,17 +246,16 @@ class PeerCache(Cache):
                          if fmt.kivi_bits else PeerLayer(fmt))
         super().__init__(layers=layers)
         self.fmt = fmt
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.shapes = layer_shapes(config)
 
     def engine_nbytes(self) -> int:
         """Engine bytes for the tokens this cache holds now (per layer, batch included)."""
         total = 0
-        for layer in self.layers:
+        for layer, shape in zip(self.layers, self.shapes):
             if not layer.is_initialized or layer.keys.numel() == 0:
                 continue
             tokens, batch = layer.keys.shape[-2], layer.keys.shape[0]
-            total += batch * self.fmt.layer_nbytes(tokens, self.kv_heads, self.head_dim,
+            total += batch * self.fmt.layer_nbytes(tokens, shape.kv_heads, shape.head_dim,
                                                    exact=not isinstance(layer, (PeerLayer, KiviLayer)))
         return total
 

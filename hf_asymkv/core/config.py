@@ -6,6 +6,13 @@ model's head dims by :meth:`AsymKVConfig.resolved`. What one layer needs of it i
 (:meth:`AsymKVConfig.layer_config`): its two :class:`~hf_asymkv.core.quant.QuantSpec` (block size included),
 window, sinks, overflow policy and buffer :class:`Growth`; layers and stores take that one object.
 
+Per-layer overrides (``layer_overrides={0: {"key_format": "int8"}, -1: {...}}``) change any of
+:data:`LAYER_SETTINGS` for given layer indices (negative ones count from the last layer); they are validated
+when the config is built (each override must make a valid config) and again when the model is known
+(:meth:`AsymKVConfig.layer_configs`: indices in range and naming quantized layers, group sizes that divide that
+layer's head_dim). A preset may carry them; the cache, its footprint and both attention paths read each layer's
+own :class:`LayerConfig`.
+
 The dict form (:meth:`AsymKVConfig.to_dict`) carries ``config_version``; :meth:`AsymKVConfig.from_dict`
 reads every version it knows and refuses newer ones by name.
 """
@@ -14,13 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .quant import GRANULARITIES, QuantSpec
 
-__all__ = ["AsymKVConfig", "CONFIG_VERSION", "Growth", "KEY_FORMATS", "LayerConfig", "OVERFLOW_POLICIES", "VALUE_BITS"]
+__all__ = ["AsymKVConfig", "CONFIG_VERSION", "Growth", "KEY_FORMATS", "LAYER_SETTINGS", "LEGACY_DEFAULTS", "LayerConfig",
+           "OVERFLOW_POLICIES", "SUPPORTED_CONFIG_VERSIONS", "VALUE_BITS"]
 
 KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int3", "int2")
 """Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/3/2-bit for ablations and presets."""
@@ -30,14 +40,19 @@ are packed as two bit-plane sets (exactly ``bits / 8`` bytes per value)."""
 OVERFLOW_POLICIES = ("widen", "clip", "error")
 """What a calibrated layer does with a key beyond its range: widen that block's scale (counted), saturate
 (counted), or raise ``ValueError``."""
-CONFIG_VERSION = 3
+CONFIG_VERSION = 4
 """Version of the dict form written by :meth:`AsymKVConfig.to_dict`: 2 added ``key_symmetric``, ``key_rotation``
-and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V). A
-field missing from an older dict takes the default of that dict's version (:data:`LEGACY_DEFAULTS`), so a
-stored config keeps its meaning."""
-SUPPORTED_CONFIG_VERSIONS = (1, 2, 3)
+and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V); 4 added
+``layer_overrides`` (absent before: no overrides). A field missing from an older dict takes the default of that
+dict's version (:data:`LEGACY_DEFAULTS`), so a stored config keeps its meaning."""
+SUPPORTED_CONFIG_VERSIONS = (1, 2, 3, 4)
+"""``config_version`` values :meth:`AsymKVConfig.from_dict` reads."""
 LEGACY_DEFAULTS = {"residual_length": 128, "sink_tokens": 0, "value_rotation": False}
 """Defaults of config versions 1 and 2 that version 3 changed (key_symmetric/key_rotation kept theirs)."""
+LAYER_SETTINGS = ("key_format", "value_bits", "value_group_size", "key_block_size", "residual_length", "sink_tokens",
+                  "key_granularity", "key_group_size", "value_granularity", "value_symmetric", "key_symmetric",
+                  "value_rotation", "key_rotation", "overflow_policy")
+"""Settings a per-layer override may change (buffer growth is the whole cache's)."""
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -137,9 +152,14 @@ class AsymKVConfig:
         overflow_policy: one of :data:`OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
+        layer_overrides: ``{layer index: {setting: value}}`` for settings of :data:`LAYER_SETTINGS` that differ
+            in given layers (e.g. ``{0: {"key_format": "int8", "key_symmetric": True}}`` to protect layer 0);
+            negative indices count from the last layer. Stored normalized (sorted ``(index, ((setting, value),
+            ...))`` pairs, so the config stays immutable and hashable); :meth:`overrides` gives the dict form.
 
     Raises:
-        ValueError: any field out of range (the message names the field, the value and what is allowed).
+        ValueError: any field out of range (the message names the field, the value and what is allowed); an
+            override that is not a valid setting (the message names the layer).
     """
 
     key_format: str = "int8"
@@ -158,6 +178,7 @@ class AsymKVConfig:
     overflow_policy: str = "widen"
     growth_factor: float = 1.25
     max_growth_tokens: int = 256
+    layer_overrides: Mapping[int, Mapping[str, Any]] | tuple = ()
 
     def __post_init__(self) -> None:
         _check_choice("key_format", self.key_format, KEY_FORMATS)
@@ -181,6 +202,9 @@ class AsymKVConfig:
         growth = self.growth_factor
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth > 1:
             raise ValueError(f"growth_factor must be a number > 1, got {growth!r}.")
+        object.__setattr__(self, "layer_overrides", _normalized_overrides(self.layer_overrides))
+        for index, _ in self.layer_overrides:
+            self.for_layer(index)  # each override must make a valid config (raises naming the layer)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -199,10 +223,27 @@ class AsymKVConfig:
         """A copy with ``overrides`` applied (validated like a new config)."""
         return self.from_kwargs(**{**self.settings(), **overrides})
 
+    def overrides(self) -> dict[int, dict[str, Any]]:
+        """``layer_overrides`` as ``{layer index: {setting: value}}`` (a new dict)."""
+        return {index: dict(settings) for index, settings in self.layer_overrides}
+
+    def for_layer(self, index: int) -> AsymKVConfig:
+        """The settings of layer ``index`` as written (an index of ``layer_overrides``, negative ones as given): this
+        config with that layer's override applied and no overrides of its own.
+
+        Raises:
+            ValueError: the override does not make a valid config (the message names the layer).
+        """
+        override = dict(self.layer_overrides).get(index, ())
+        try:
+            return dataclasses.replace(self, layer_overrides=(), **dict(override))
+        except ValueError as exc:
+            raise ValueError(f"layer_overrides[{index}]: {exc}") from None
+
     # ------------------------------------------------------------------ dict form
     def settings(self) -> dict:
-        """The fields as a plain dict (JSON scalars only)."""
-        return dataclasses.asdict(self)
+        """The fields as a plain dict: JSON scalars, and ``layer_overrides`` as ``{index: {setting: value}}``."""
+        return {**dataclasses.asdict(self), "layer_overrides": self.overrides()}
 
     def to_dict(self) -> dict:
         """``{"config_version": CONFIG_VERSION, <every field>}``: what ``asymkv_config.json`` stores."""
@@ -226,10 +267,12 @@ class AsymKVConfig:
                              f"{list(SUPPORTED_CONFIG_VERSIONS)}); upgrade hf-asymkv")
         if version < 3:
             data = {**LEGACY_DEFAULTS, **data}
-        for key, value in data.items():
-            if not (value is None or isinstance(value, (str, int, float, bool))):
-                raise ValueError(f"{where}: setting {key!r} must be a JSON scalar, got {value!r}")
         try:
+            if "layer_overrides" in data:
+                data["layer_overrides"] = _overrides_from_json(data["layer_overrides"])
+            for key, value in data.items():
+                if key != "layer_overrides" and not _is_scalar(value):
+                    raise ValueError(f"setting {key!r} must be a JSON scalar, got {value!r}")
             return cls.from_kwargs(**data)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
@@ -265,14 +308,92 @@ class AsymKVConfig:
                          block_size=self.key_block_size)
 
     def layer_config(self) -> LayerConfig:
-        """What one layer takes (a resolved config: group sizes set)."""
+        """What one layer takes, without overrides (a resolved config: group sizes set)."""
         return LayerConfig(self.key_spec(), self.value_spec(), self.residual_length, self.sink_tokens,
                            self.overflow_policy, Growth(self.growth_factor, self.max_growth_tokens))
+
+    def layer_configs(self, head_dims: Mapping[int, int], layer_types: list[str]) -> dict[int, LayerConfig]:
+        """Each quantized layer's :class:`LayerConfig`, overrides applied (a resolved config: group sizes set).
+
+        Args:
+            head_dims: ``{layer index: head_dim}`` of the layers that quantize.
+            layer_types: every layer's cache type (their count bounds the indices; named in errors).
+
+        Raises:
+            ValueError: an override index out of range, naming a layer twice (``i`` and ``i - n``) or naming a
+                layer that does not quantize, or a group size that does not divide that layer's head_dim (the
+                message names the layer).
+        """
+        n = len(layer_types)
+        chosen: dict[int, int] = {}
+        for index, _ in self.layer_overrides:
+            i = index + n if index < 0 else index
+            if not 0 <= i < n:
+                raise ValueError(f"layer_overrides names layer {index}, but the model has {n} layers (indices 0 to "
+                                 f"{n - 1}, or -1 to -{n} from the end).")
+            if i in chosen:
+                raise ValueError(f"layer_overrides names layer {i} twice (as {chosen[i]} and {index}).")
+            if i not in head_dims:
+                raise ValueError(f"layer_overrides names layer {index}, a {layer_types[i]!r} layer that is not "
+                                 f"quantized; overrides apply to the quantized layers {sorted(head_dims)}.")
+            chosen[i] = index
+        configs = {}
+        for i, head_dim in head_dims.items():
+            layer = self.for_layer(chosen[i]) if i in chosen else dataclasses.replace(self, layer_overrides=())
+            try:
+                configs[i] = layer.resolved([head_dim]).layer_config()
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+        return configs
 
     def describe(self) -> str:
         """One line for ``repr`` and logs."""
         key = f"K={self.key_format}{'' if self.key_symmetric else '-asym'}/{self.key_granularity}"
         value = f"V=int{self.value_bits}/{self.value_granularity}(g={self.value_group_size})"
         rotated = [kind for kind, on in (("K", self.key_rotation), ("V", self.value_rotation)) if on]
+        overridden = [index for index, _ in self.layer_overrides]
         return (f"{key}, {value}, block={self.key_block_size}, window={self.residual_length}, "
-                f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else ""))
+                f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else "")
+                + (f", overrides for layers {overridden}" if overridden else ""))
+
+
+def _is_scalar(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _normalized_overrides(value) -> tuple:
+    """``{index: {setting: value}}`` (or its normalized form) -> sorted ``((index, ((setting, value), ...)), ...)``.
+
+    Raises:
+        ValueError: not a mapping of int layer indices to mappings of :data:`LAYER_SETTINGS`.
+    """
+    items = value.items() if isinstance(value, Mapping) else value
+    if not isinstance(value, (Mapping, tuple)):
+        raise ValueError(f"layer_overrides must be a dict {{layer index: {{setting: value}}}}, got {value!r}.")
+    normalized = {}
+    for index, settings in items:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"layer_overrides keys must be layer indices (int), got {index!r}.")
+        settings = dict(settings.items() if isinstance(settings, Mapping) else settings)
+        unknown = sorted(set(settings) - set(LAYER_SETTINGS))
+        if unknown:
+            raise ValueError(f"layer_overrides[{index}]: unknown or not per-layer settings {unknown}; allowed: "
+                             f"{list(LAYER_SETTINGS)}.")
+        normalized[index] = tuple(sorted(settings.items()))
+    return tuple(sorted(normalized.items()))
+
+
+def _overrides_from_json(value) -> dict[int, dict]:
+    """The JSON form of ``layer_overrides`` (string keys) -> ``{int: {setting: scalar}}``."""
+    if not isinstance(value, dict):
+        raise ValueError(f"layer_overrides must be a JSON object, got {value!r}")
+    out = {}
+    for key, settings in value.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"layer_overrides keys must be layer indices, got {key!r}") from None
+        if not isinstance(settings, dict) or not all(_is_scalar(v) for v in settings.values()):
+            raise ValueError(f"layer_overrides[{key}] must be an object of JSON scalars, got {settings!r}")
+        out[index] = settings
+    return out

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.cache import kv_layer_indices
 from ..core.fileio import write_folder_atomically
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
+from ..core.shapes import kv_layer_indices
 from .sglang import SGLANG_FILE, sglang_scales
 from .vllm import STRATEGIES, kv_cache_scheme, kv_scale_tensors
 

@@ -174,3 +174,26 @@ def test_no_core_callable_takes_more_than_five_settings():
     assert "hf_asymkv.core.layer.AsymKVLayer" in found  # the walker sees the layer
     too_many = {name: params for name, params in found.items() if len(params) > MAX_SETTINGS_ARGUMENTS}
     assert not too_many, f"pass an AsymKVConfig / LayerConfig instead of loose settings: {too_many}"
+
+
+# Names and facts defined once (issue 23): a constant assigned in two modules drifts (two SUPPORTED_CONFIG_VERSIONS
+# with different meanings, FP8_E4M3_MAX twice).
+ONCE = ("FP8_E4M3_MAX", "SUPPORTED_")
+
+
+def _assigned_names(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)]
+
+
+def test_constants_are_defined_once():
+    where: dict[str, list[str]] = {}
+    for path in PACKAGE_FILES:
+        for name in _assigned_names(path):
+            if name.startswith(ONCE):
+                where.setdefault(name, []).append(str(path.relative_to(PACKAGE)))
+    assert "FP8_E4M3_MAX" in where and "SUPPORTED_CONFIG_VERSIONS" in where
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"define each constant in one module and import it elsewhere: {twice}"
