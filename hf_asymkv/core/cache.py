@@ -123,10 +123,11 @@ class AsymKVCache(Cache):
             reset_layer(layer)
 
     def activate_past_recording(self, **kwargs) -> None:
-        """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see
-        :class:`~hf_asymkv.core.layer.AsymKVLayer`). transformers' ``generate`` calls this for assisted decoding;
-        from 5.25 it passes ``recurrent_states_to_keep=`` (meant for recurrent layers), forwarded to every layer as
-        transformers' own ``Cache`` does."""
+        """Make a rollback (``crop``) of the latest update's tokens exact: each update's tokens stay pending until
+        the next update or crop (see :mod:`hf_asymkv.core.layer`), so quantization runs one update late and the
+        window stays bounded. transformers' ``generate`` calls this for assisted decoding; from 5.25 it passes
+        ``recurrent_states_to_keep=`` (meant for recurrent layers), forwarded to every layer as transformers' own
+        ``Cache`` does. ``reset()`` turns it off."""
         for layer in self.layers:
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording(**kwargs)

@@ -9,13 +9,18 @@ New tokens enter the window. When the window holds at least ``residual_length + 
 whole block of ``block_size`` tokens that has aged out of the newest ``residual_length`` is quantized *once*
 and appended to the code buffers; a closed block is never re-quantized.
 
-Rollback (``crop``): while past recording is on (``activate_past_recording()``; transformers' ``generate``
-turns it on for assisted decoding and for returned caches it may roll back), updates quantize nothing and
-each ``crop`` first removes tokens, then quantizes what has aged out. A rollback that removes no more than the
-tokens added since the previous crop (plus the window's surplus over ``residual_length``) is therefore exact:
+Deferral: the tokens of the latest update can be kept *pending*: they do not count towards ageing, so nothing
+that makes room for them is quantized until the next update or ``crop`` (then what has aged out is quantized
+as usual). The window therefore never exceeds ``residual_length + block_size + n`` tokens, ``n`` the latest
+update's. It is on while past recording is (``activate_past_recording()``: transformers' ``generate`` turns it on
+for assisted decoding and for returned caches it may roll back, and may leave it on) or while
+``keep_latest_exact`` is set (e.g. to keep a prefill exact until the step after it); ``reset()`` ends both.
+
+Rollback (``crop``) first removes tokens, then quantizes what has aged out. A rollback of no more than the
+latest update's tokens (plus the window's surplus over ``residual_length``) is therefore exact while deferring:
 the newest ``min(length, residual_length)`` tokens are the ones that came in, and no token is quantized twice.
-A deeper rollback, or one without recording, can only return the tokens of a partly removed block to the
-window as their dequantized values (what attention saw); they are quantized again when they age out, which
+A deeper rollback, or one without deferral, can only return the tokens of a partly removed block to the window
+as their dequantized values (what attention saw); they are quantized again when they age out, which
 ``stats["requantized_tokens"]`` counts.
 
 Buffers grow geometrically (x ``growth.factor``) but by at most ``growth.max_tokens`` at a time, so appending
@@ -84,7 +89,8 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
                              "spec with rotated=False (key_rotation=False), got rotated=True.")
         self.config = config
         self.return_views = return_views
-        self.record_past = False
+        self.record_past = False  # transformers' name: set by activate_past_recording(), cleared by generate
+        self.keep_latest_exact = False
         self.key_absmax = key_absmax
         self.stats: Counter = Counter()
         self._clear()
@@ -101,6 +107,12 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self.key_store = TensorStore("key", self.key_spec, self.config.growth)
         self.value_store = TensorStore("value", self.value_spec, self.config.growth)
         self.cumulative_length = 0
+        self.pending_tokens = 0  # window tokens of the latest update kept out of ageing (see the module docstring)
+
+    @property
+    def defers(self) -> bool:
+        """Whether each update's tokens stay pending until the next update or crop (recording or asked for)."""
+        return self.record_past or self.keep_latest_exact
 
     @property
     def stores(self) -> tuple[TensorStore, TensorStore]:
@@ -133,9 +145,11 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         n = key_states.shape[-2]
         ks = self.key_store
         # Sinks take the very first tokens; the rest joins the window, and every whole block that has aged out
-        # of the newest residual_length tokens is quantized (at the next crop instead, while recording).
+        # of the newest residual_length tokens is quantized; while deferring, the new tokens do not age anything
+        # (an empty update, a read, keeps the previous update's tokens pending).
         n_sink = min(n, self.sink_tokens - ks.sinks.length) if ks.blocks.length + ks.window.length == 0 else 0
-        n_flush = 0 if self.record_past else self._aged_out(ks.window.length + n - n_sink)
+        pending = (n - n_sink if self.defers else 0) if n else self.pending_tokens
+        n_flush = self._aged_out(ks.window.length + n - n_sink - pending)
         # The calibrated key scale comes first: with overflow_policy="error" it raises, and must leave the layer
         # as it was.
         key_scale = None
@@ -144,6 +158,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         n_old = ks.blocks.length
         pushed = (ks.push(key_states, n_sink, n_flush, key_scale), self.value_store.push(value_states, n_sink, n_flush))
         self.cumulative_length += n
+        self.pending_tokens = pending
         if n_flush:
             self._count_flush(n_flush, sum(nonfinite for _, nonfinite in pushed))
         return tuple(store.read(n_old, tail, self.return_views) for store, (tail, _) in zip(self.stores, pushed))
@@ -158,9 +173,11 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """Empty the layer and end any deferral (past recording, ``keep_latest_exact``)."""
         self._clear()
         self.stats.clear()
         self.is_initialized = False
+        self.record_past = self.keep_latest_exact = False
 
     def offload(self) -> None:
         self._map_batch(lambda t: t.to("cpu", non_blocking=True))
@@ -179,11 +196,12 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def activate_past_recording(self, **kwargs) -> None:
-        """Defer quantization to the next ``crop``, so that a rollback of the tokens added since is exact.
+        """Keep each update's tokens pending until the next update or ``crop``, so that a rollback of the latest
+        update's tokens is exact (see the module docstring); quantization still runs, one update late.
 
-        transformers' ``generate`` calls this (through the cache) before assisted decoding and turns it off
-        (``record_past = False``) when it hands the cache back. Keyword arguments (``recurrent_states_to_keep``,
-        passed from transformers 5.25 for recurrent layers) do not concern attention layers and are ignored.
+        transformers' ``generate`` calls this (through the cache) before assisted decoding, and may leave it on;
+        ``record_past = False`` or ``reset()`` turns it off. Keyword arguments (``recurrent_states_to_keep``, passed
+        from transformers 5.25 for recurrent layers) do not concern attention layers and are ignored.
         """
         self.record_past = True
 
@@ -205,6 +223,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         moved = [store.crop(keep, self.dtype) for store in self.stores]
         self.stats["requantized_tokens"] += moved[0]
         self.cumulative_length = keep
+        self.pending_tokens = 0  # a crop ends the deferral: what has aged out is quantized now
         self._flush_window()
 
     # ------------------------------------------------------------------ reporting

@@ -321,6 +321,32 @@ def test_small_window_runs_and_quantizes(request, model, mode, ctx):
             assert run.caches[0].stats()["requantized_tokens"] == 0
 
 
+def _live_bytes(cache: AsymKVCache) -> int:
+    foot = cache.memory_footprint()
+    return foot["total"] - foot.get("unused_capacity", 0)
+
+
+def test_recording_left_on_by_assisted_generate_ends(llama, ctx):
+    """Assisted generate leaves recording on; the same cache then decodes 40 plain tokens. Before the fix nothing
+    was quantized after the assisted run (the window grew like a DynamicCache); now the cache holds what a fresh
+    cache holding the same tokens holds, within one block per layer."""
+    cache = AsymKVCache(llama.config, **SMALL)
+    first = _gen(llama, ctx["prompt"], cache_kwargs(cache), assistant_model=ctx["assistant"], max_new_tokens=24)
+    if GENERATE_RECORDS_PAST:
+        assert all(layer.record_past for layer in _asym_layers(cache))  # what generate leaves behind
+    second = _gen(llama, first.sequences, cache_kwargs(cache), max_new_tokens=40)
+    fresh = AsymKVCache(llama.config, **SMALL)
+    with torch.no_grad():
+        llama(second.sequences[:, :-1], **cache_kwargs(fresh))
+    assert cache.get_seq_length() == fresh.get_seq_length()
+    block = SMALL["key_block_size"]
+    for layer, ref in zip(_asym_layers(cache), _asym_layers(fresh)):
+        assert abs(layer.key_store.blocks.length - ref.key_store.blocks.length) <= block
+        assert layer.key_store.window.length < SMALL["residual_length"] + 2 * block
+    token_bytes = 2 * 2 * 16 * 4  # K and V of one token, 2 KV heads, head_dim 16, float32
+    assert abs(_live_bytes(cache) - _live_bytes(fresh)) <= len(cache.layers) * block * token_bytes
+
+
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
 def test_small_window_greedy_close_to_dynamic(request, model, ctx):
     """Teacher-forced along the exact greedy continuation: the quantized cache picks the same next token almost

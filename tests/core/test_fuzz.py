@@ -13,6 +13,8 @@ values or keys). After every step:
 - every quantized element is within its format's error bound of the reference (computed from the reference
   block's range, see :func:`error_bound`), twice the bound for tokens quantized a second time;
 - the quantized buffers' unused capacity stays within one growth step (``max_growth_tokens`` rounded to blocks);
+- the window never exceeds ``residual_length + block_size`` plus the latest update's tokens while deferring
+  (past recording keeps one update pending, never more: recording left on must not grow the window);
 - the fused attention over the stored codes equals the dense read-out's attention (SQNR > 80 dB: float32
   rounding of logits up to 1e5).
 
@@ -181,7 +183,8 @@ class LayerMachine(RuleBasedStateMachine):
         self.seed = 0
         self.peak = 0  # the most quantized tokens held since the layer was built or reset
         self.short_window_ok = False  # a rollback beyond what recording covers left the window short
-        self.recorded = 0  # tokens added while recording since the last crop: what a rollback can undo exactly
+        self.recorded = 0  # tokens of the latest update while recording: what a rollback can undo exactly
+        self.pending = 0  # tokens of the latest update kept pending (until the next update or crop)
 
     @initialize(residual=st.sampled_from([0, 3, 6]), recording=st.booleans())
     def build(self, residual: int, recording: bool) -> None:
@@ -201,7 +204,7 @@ class LayerMachine(RuleBasedStateMachine):
         self.seed += 1
         k, v = _tokens(self.batch, n, self.seed, magnitude)
         keys, values = self.layer.update(k, v)
-        self.recorded = self.recorded + n if self.layer.record_past else 0
+        self.recorded = self.pending = n if self.layer.defers else 0
         self.ref.append(k, v)
         assert keys.shape == values.shape == (self.batch, H, self.ref.length, D)
         self._check_readout(keys, values)
@@ -215,10 +218,10 @@ class LayerMachine(RuleBasedStateMachine):
         ks = self.layer.key_store
         before_blocks, ns = ks.blocks.length, ks.sinks.length
         bounds = self._bounds(ns, before_blocks)
-        covered = self.layer.record_past and n <= self.recorded
+        covered = n <= self.recorded
         self.layer.crop(-n)
         keep = max(0, self.ref.length - n)
-        self.recorded = 0
+        self.recorded = self.pending = 0
         if not covered and n and before_blocks:
             self.short_window_ok = True
         # Tokens the layer returned from a block to the window carry their first quantization's error.
@@ -259,7 +262,20 @@ class LayerMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.layer.reset()
         self.ref.clear()
-        self.peak, self.short_window_ok, self.recorded = 0, False, 0
+        self.peak, self.short_window_ok, self.recorded, self.pending = 0, False, 0, 0
+
+    @rule(sizes=st.lists(st.integers(1, 12), min_size=4, max_size=16))
+    def recording_left_on(self, sizes: list[int]) -> None:
+        """What assisted decoding leaves behind (recording on, never turned off), then many plain updates: each
+        update's tokens are pending for one update only, so the window stays bounded and blocks keep closing."""
+        self.layer.activate_past_recording()
+        quantized = self.layer.key_store.blocks.length
+        for n in sizes:
+            self.update(n, 1.0)
+            window = self.layer.key_store.window.length
+            assert window < self.layer.residual_length + BLOCK + n, "recording let the window grow"
+        if sum(sizes) >= self.layer.residual_length + 2 * BLOCK + max(sizes):
+            assert self.layer.key_store.blocks.length > quantized, "nothing was quantized while recording"
 
     @rule(on=st.booleans())
     def recording(self, on: bool) -> None:
@@ -303,6 +319,12 @@ class LayerMachine(RuleBasedStateMachine):
             self.peak = max(self.peak, blocks.length)
             if blocks.data is not None:  # one growth step beyond the most ever held, at most
                 assert blocks.data.shape[2] <= self.peak + store.blocks.max_step
+
+    @invariant()
+    def window_bounded(self) -> None:
+        if hasattr(self, "layer"):
+            window = self.layer.key_store.window.length
+            assert window < self.layer.residual_length + BLOCK + self.pending, "the window outgrew its bound"
 
     @invariant()
     def contents_agree(self) -> None:

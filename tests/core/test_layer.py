@@ -556,3 +556,41 @@ def test_returned_tensors_are_not_rewritten_by_later_updates():
     feed(layer, k[:, :, 15:], v[:, :, 15:], [1] * 5)  # the 16th token flushes; the window buffer is reused
     assert layer.stats["tokens_quantized"] > 0
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+
+
+# ------------------------------------------------------------------------------------------------ deferral
+def test_recording_left_on_defers_one_update_only():
+    """transformers' assisted generate leaves recording on; before, nothing was ever quantized again (the window
+    grew like a DynamicCache). Now each update's tokens are pending for one update: the window stays bounded."""
+    layer = make_layer(sink_tokens=2)
+    layer.activate_past_recording()
+    k, v = kv(200)
+    for start in range(0, 200, 5):
+        layer.update(k[:, :, start : start + 5], v[:, :, start : start + 5])
+        ns, nq, nw = lengths(layer)
+        assert nw < layer.residual_length + layer.block_size + 5
+        assert layer.pending_tokens == (3 if start == 0 else 5)  # the first 2 tokens became sinks
+    assert layer.record_past and nq >= 200 - 2 - layer.residual_length - layer.block_size - 5
+
+
+def test_keep_latest_exact_holds_a_prefill_until_the_next_update():
+    """The mechanism a press needs: the prefill stays exact in the window until the step after it."""
+    layer = make_layer()
+    layer.keep_latest_exact = True
+    k, v = kv(61)
+    keys, _ = layer.update(k[:, :, :60], v[:, :, :60])
+    assert lengths(layer) == (0, 0, 60) and torch.equal(keys, k[:, :, :60])
+    layer.update(k[:, :, :0], v[:, :, :0])  # a read keeps it pending
+    assert lengths(layer) == (0, 0, 60)
+    layer.update(k[:, :, 60:], v[:, :, 60:])
+    ns, nq, nw = lengths(layer)
+    assert nq == 48 and nw == 13  # the prefill aged out at the next update; the new token is pending
+
+
+def test_reset_ends_recording_and_deferral():
+    layer, k, v = _recording()
+    layer.keep_latest_exact = True
+    layer.reset()
+    assert not layer.record_past and not layer.keep_latest_exact and layer.pending_tokens == 0
+    feed(layer, k[:, :, :40], v[:, :, :40], [40])
+    assert lengths(layer)[1] > 0  # an update quantizes again at once
