@@ -292,13 +292,13 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         over = block_amax > calib
         n_over = int(over.sum())
         if n_over:
-            self.stats["key_overflow_channels"] += n_over
-            if self.overflow_policy == "error":
+            if self.overflow_policy == "error":  # before any counter moves: a raise leaves the layer as it was
                 ratio = float((block_amax / calib).max())
                 raise ValueError(
                     f"{n_over} key (block, head, channel) ranges exceed the calibrated absmax (worst x{ratio:.3g}) "
                     "with overflow_policy='error'; use 'widen' (default) or recalibrate on longer samples."
                 )
+            self.stats["key_overflow_channels"] += n_over
             if self.overflow_policy == "clip":
                 self.stats["key_clipped_values"] += int((grouped > calib[:, :, :, None, :]).sum())
             else:

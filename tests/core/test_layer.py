@@ -538,6 +538,7 @@ def test_calibrated_overflow_error_raises_and_leaves_layer_untouched():
         layer.update(k[:, :, 4:], v[:, :, 4:])
     assert layer.get_seq_length() == 4 and lengths(layer) == (0, 0, 4)
     assert all(torch.equal(state[name], buf) for name, buf in live(layer).items())
+    assert not layer.stats  # no counter moved either (key_overflow_channels was counted before the raise)
 
 
 def test_calibrated_range_with_wrong_shape_raises():
