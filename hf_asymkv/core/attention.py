@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_view import QuantizedKV
+from .kv_view import QuantizedKV, SinkOverlayView, write_rows
 from .quant import decode_codes
 from .rotation import rotate, unrotate
 
@@ -118,6 +118,17 @@ def _mask_bias(attention_mask: torch.Tensor | None, b: int, h: int, n_rep: int, 
     return mask.to(dtype).expand(b, heads, q_len, kv_len).reshape(b, -1, n_rep * q_len, kv_len)
 
 
+def _overlay_scores(q: torch.Tensor, overlay: SinkOverlayView, bias: torch.Tensor | None, kv_len: int
+                    ) -> torch.Tensor:
+    """Scores ``[B, H, R, S]`` of the exact sink overlay: ``q`` against its tokens, with the mask of their positions;
+    slots outside the quantized region are -inf (they are attended where they lie, exact)."""
+    scores = q @ overlay.tokens.to(q.dtype).transpose(-1, -2)
+    if bias is not None:
+        index = overlay.positions.clamp(max=kv_len - 1)[:, None, None, :]
+        scores = scores + bias.gather(-1, index.expand(*bias.shape[:3], index.shape[-1]))
+    return scores.masked_fill(~overlay.valid[:, None, None, :], float("-inf"))
+
+
 def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, attention_mask: torch.Tensor | None,
                     scaling: float) -> torch.Tensor:
     """Softmax attention of ``query`` ``[B, Hq, q, D]`` over quantized K/V; returns ``[B, q, Hq, D_v]``.
@@ -132,16 +143,24 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     q = (query.to(work) * scaling).reshape(b, h, n_rep * q_len, d)  # query is often a transposed view
     k_pre, k_tail = _parts(key)
     v_pre, v_tail = _parts(value)
-    n = key.n_quantized
+    n, ns = key.n_quantized, k_pre.shape[2]
     q_codes = rotate(q).to(work) if key.spec.rotated else q  # rotated keys: q . k = (q H) . (k H)
-    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q_codes, key) if n else q[..., :0],
+    quantized = _key_scores(q_codes, key) if n else q[..., :0]
+    overlay = key.overlay if n else None
+    if overlay is not None:  # padded rows' exact sinks replace their quantized positions (one more segment below)
+        write_rows(quantized, 3, overlay.positions - ns, overlay.valid, float("-inf"))
+    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), quantized,
                         q @ k_tail.to(work).transpose(-1, -2)], dim=-1)  # [B, H, n_rep*q, kv]
-    bias = _mask_bias(attention_mask, b, h, n_rep, q_len, scores.shape[-1], work, query.device)
+    kv_len = scores.shape[-1]
+    bias = _mask_bias(attention_mask, b, h, n_rep, q_len, kv_len, work, query.device)
     if bias is not None:
         scores = scores + bias
+    if overlay is not None:
+        scores = torch.cat([scores, _overlay_scores(q, overlay, bias, kv_len)], dim=-1)
     p = scores.softmax(dim=-1)
-    ns = k_pre.shape[2]
-    out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n :] @ v_tail.to(work)
+    out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n : kv_len] @ v_tail.to(work)
+    if overlay is not None:
+        out += p[..., kv_len:] @ value.overlay.tokens.to(work)
     if n:  # rotated values: mix the rotated codes, rotate the [B, H, n_rep*q, D] result back (cheaper than V)
         mixed = _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
         out += unrotate(mixed) if value.spec.rotated else mixed

@@ -5,6 +5,10 @@ Token order inside a layer::
     [ sinks (exact) ][ quantized blocks ........ ][ window (exact) ]
       <= sink_tokens   multiple of block_size        >= residual_length once anything is quantized
 
+The same for every row of a batch. In a left-padded batch the sink positions of a padded row hold pads; that
+row's own first ``sink_tokens`` tokens are kept exact as an overlay over the blocks (:mod:`hf_asymkv.core.sinks`),
+anchored at the row's first real token, which the first update's ``position_ids`` give (transformers 5.24+).
+
 New tokens enter the window. When the window holds at least ``residual_length + block_size`` tokens, every
 whole block of ``block_size`` tokens that has aged out of the newest ``residual_length`` is quantized *once*
 and appended to the code buffers; a closed block is never re-quantized.
@@ -36,10 +40,11 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length
+from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length, update_position_ids
 from .config import LayerConfig
 from .kv_view import QuantizedKV
 from .quant import scale_from_absmax
+from .sinks import row_starts
 from .store import TensorStore
 
 __all__ = ["AsymKVLayer"]
@@ -104,8 +109,8 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     overflow_policy = property(lambda self: self.config.overflow_policy)
 
     def _clear(self) -> None:
-        self.key_store = TensorStore("key", self.key_spec, self.config.growth)
-        self.value_store = TensorStore("value", self.value_spec, self.config.growth)
+        self.key_store = TensorStore("key", self.key_spec, self.config.growth, self.sink_tokens)
+        self.value_store = TensorStore("value", self.value_spec, self.config.growth, self.sink_tokens)
         self.cumulative_length = 0
         self.pending_tokens = 0  # window tokens of the latest update kept out of ageing (see the module docstring)
 
@@ -138,12 +143,17 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         """Append ``[B, H, n, D]`` keys/values and return dense ``[B, H, seq_len, D]`` keys/values.
 
         Tokens quantized during this call are returned exact (they are at hand); older blocks come back
-        dequantized in one vectorized op per tensor.
+        dequantized in one vectorized op per tensor. The first update into an empty layer anchors each row's sinks
+        at its first real token when transformers passes ``position_ids`` (see :mod:`hf_asymkv.core.sinks`).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         ks = self.key_store
+        if self.cumulative_length == 0 and n and self.sink_tokens:
+            anchors = row_starts(update_position_ids(args, kwargs), key_states.shape[0], n)
+            for store in self.stores:
+                store.overlay.set_anchors(anchors)
         # Sinks take the very first tokens; the rest joins the window, and every whole block that has aged out
         # of the newest residual_length tokens is quantized; while deferring, the new tokens do not age anything
         # (an empty update, a read, keeps the previous update's tokens pending).

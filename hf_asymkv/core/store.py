@@ -4,6 +4,9 @@ A :class:`TensorStore` holds, in token order::
 
     [ sinks (exact) ][ quantized blocks: codes, scales, zeros ][ window (exact) ]
 
+plus, for left-padded rows, exact copies of their own first tokens where those lie in the blocks
+(:class:`~hf_asymkv.core.sinks.SinkOverlay`).
+
 K and V each get one, built from their own :class:`~hf_asymkv.core.quant.QuantSpec` (which carries the block
 size) and the layer's :class:`~hf_asymkv.core.config.Growth`; everything else about them is the same code path. :class:`~hf_asymkv.core.layer.AsymKVLayer` decides *how many* tokens go where
 (one decision for both kinds), the stores carry it out.
@@ -18,10 +21,11 @@ from collections.abc import Callable
 import torch
 
 from .config import Growth
-from .kv_view import QuantizedKV
+from .kv_view import QuantizedKV, write_rows
 from .packing import PackedCodes
 from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metadata, quantize
 from .rotation import dequantize_rotated, rotate
+from .sinks import SinkOverlay
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
 
@@ -181,12 +185,14 @@ class TensorStore:
         kind: names the parts in :meth:`memory_footprint` (``key_codes``, ``sink_keys``, ...).
         spec: how the quantized blocks are stored (block size included).
         growth: how the buffers grow.
+        sink_tokens: the size of a left-padded row's exact sink overlay.
     """
 
-    def __init__(self, kind: str, spec: QuantSpec, growth: Growth):
+    def __init__(self, kind: str, spec: QuantSpec, growth: Growth, sink_tokens: int = 0):
         self.kind, self.growth = kind, growth
         self.sinks, self.window = GrowableBuffer(), GrowableBuffer()
         self.blocks = QuantizedBlocks(spec, growth)
+        self.overlay = SinkOverlay(sink_tokens)
         self.head_dim = 0
 
     @property
@@ -222,6 +228,7 @@ class TensorStore:
             self.window.append(new, self.growth)
             return self.window.live, 0
         tail = self.joined(new)
+        self.overlay.capture(tail[:, :, :n_flush], self.sinks.length + self.blocks.length)
         nonfinite = self.blocks.append(tail[:, :, :n_flush], scale)
         self.window.truncate(0)
         self.window.append(tail[:, :, n_flush:], self.growth)
@@ -235,6 +242,7 @@ class TensorStore:
         """
         if not n_flush:
             return 0
+        self.overlay.capture(self.window.live[:, :, :n_flush], self.sinks.length + self.blocks.length)
         nonfinite = self.blocks.append(self.window.live[:, :, :n_flush], scale)
         self.window.drop_front(n_flush)
         return nonfinite
@@ -251,8 +259,10 @@ class TensorStore:
                 return torch.cat([self.sinks.live, tail], dim=2)
             return tail.clone() if tail._base is not None else tail
         codes, scales, zeros = self.blocks.parts(0, n_old)
-        kv = QuantizedKV(self.sinks.live if self.sinks.length else None, codes, scales, zeros, self.spec,
-                         tail.clone() if as_views and tail._base is not None else tail)
+        ns = self.sinks.length
+        kv = QuantizedKV(self.sinks.live if ns else None, codes, scales, zeros, self.spec,
+                         tail.clone() if as_views and tail._base is not None else tail,
+                         self.overlay.view(ns, ns + n_old))
         return kv if as_views else kv.dense()
 
     def crop(self, keep: int, dtype: torch.dtype) -> int:
@@ -272,6 +282,10 @@ class TensorStore:
         whole, partial = keep_q // bs * bs, keep_q % bs
         if partial:
             block = self.blocks.decode(whole, whole + bs, dtype)
+            start = ns + whole
+            overlay = self.overlay.view(start, start + bs)
+            if overlay is not None:  # padded rows' sinks go back to the window exact
+                write_rows(block, 2, overlay.positions - start, overlay.valid, overlay.tokens)
             self.window.append(block[:, :, :partial], self.growth)
         self.blocks.truncate(whole)
         self.sinks.truncate(min(keep, ns))
@@ -285,6 +299,7 @@ class TensorStore:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for buf in self.buffers().values():
             buf.map_batch(fn)
+        self.overlay.map_batch(fn)
 
     def memory_footprint(self) -> Counter:
         out: Counter = Counter()
@@ -292,4 +307,6 @@ class TensorStore:
             allocated, unused = buf.nbytes()
             out[name] += allocated
             out["unused_capacity"] += unused
+        if self.overlay.nbytes():
+            out[f"padded_sink_{self.kind}s"] += self.overlay.nbytes()
         return out

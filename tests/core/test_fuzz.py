@@ -7,7 +7,8 @@ calibrated/uncalibrated, plus the preset formats (asymmetric low-bit keys, 3/5/6
 values or keys). After every step:
 
 - lengths and mask sizes agree with the reference;
-- sinks are bit-exact, and so are the newest ``min(length, residual_length)`` tokens, except tokens a rollback
+- sinks are bit-exact (a left-padded row's own first tokens too, wherever they lie), and so are the newest
+  ``min(length, residual_length)`` tokens, except tokens a rollback
   without recording had to return from a block (the layer cannot know them exactly: they hold their
   dequantized values, within the quantization bound);
 - every quantized element is within its format's error bound of the reference (computed from the reference
@@ -134,6 +135,7 @@ class Reference:
     def __init__(self) -> None:
         self.k = self.v = None
         self.budget_k = self.budget_v = None
+        self.anchors = None  # [B] each row's first real token (left padding), None: every row starts at 0
 
     @property
     def length(self) -> int:
@@ -156,6 +158,8 @@ class Reference:
     def map_batch(self, fn) -> None:
         if self.k is not None:
             self.k, self.v, self.budget_k, self.budget_v = map(fn, (self.k, self.v, self.budget_k, self.budget_v))
+        if self.anchors is not None:
+            self.anchors = fn(self.anchors)
 
     def clear(self) -> None:
         self.__init__()
@@ -186,8 +190,9 @@ class LayerMachine(RuleBasedStateMachine):
         self.recorded = 0  # tokens of the latest update while recording: what a rollback can undo exactly
         self.pending = 0  # tokens of the latest update kept pending (until the next update or crop)
 
-    @initialize(residual=st.sampled_from([0, 3, 6]), recording=st.booleans())
-    def build(self, residual: int, recording: bool) -> None:
+    @initialize(residual=st.sampled_from([0, 3, 6]), recording=st.booleans(), padded=st.booleans())
+    def build(self, residual: int, recording: bool, padded: bool) -> None:
+        self.padded = padded  # prefills come left-padded (position_ids as generate makes them)
         config = AsymKVConfig(key_format=self.key_format, value_bits=self.value_bits, key_block_size=BLOCK,
                               residual_length=residual, sink_tokens=self.sinks, max_growth_tokens=8,
                               key_symmetric=self.key_symmetric, key_rotation=self.key_rotation,
@@ -203,7 +208,13 @@ class LayerMachine(RuleBasedStateMachine):
     def update(self, n: int, magnitude: float) -> None:
         self.seed += 1
         k, v = _tokens(self.batch, n, self.seed, magnitude)
-        keys, values = self.layer.update(k, v)
+        kwargs = {}
+        if self.ref.length == 0:  # a prefill: each row's first real token after its padding
+            pads = torch.randint(0, n, (self.batch,), generator=torch.Generator().manual_seed(self.seed))
+            pads = pads if self.padded else torch.zeros_like(pads)
+            kwargs = {"position_ids": (torch.arange(n)[None] - pads[:, None]).clamp(min=0)}
+            self.ref.anchors = pads if pads.any() else None
+        keys, values = self.layer.update(k, v, kwargs=kwargs)
         self.recorded = self.pending = n if self.layer.defers else 0
         self.ref.append(k, v)
         assert keys.shape == values.shape == (self.batch, H, self.ref.length, D)
@@ -346,6 +357,11 @@ class LayerMachine(RuleBasedStateMachine):
         ks = self.layer.key_store
         ns, nq, n = ks.sinks.length, ks.blocks.length, self.ref.length
         bounds = self._bounds(ns, nq)
+        if self.ref.anchors is not None and self.sinks:  # padded rows' own sinks, in the blocks too
+            for row, anchor in enumerate(self.ref.anchors.tolist()):
+                sinks = slice(anchor, min(anchor + self.sinks, n))
+                assert torch.equal(keys[row, :, sinks], self.ref.k[row, :, sinks]), "a padded row's sink key"
+                assert torch.equal(values[row, :, sinks], self.ref.v[row, :, sinks]), "a padded row's sink value"
         for got, want, budget, bound in ((keys, self.ref.k, self.ref.budget_k, bounds[0]),
                                          (values, self.ref.v, self.ref.budget_v, bounds[1])):
             assert torch.equal(got[:, :, :ns], want[:, :, :ns]), "sinks are not exact"
