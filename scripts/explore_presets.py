@@ -168,7 +168,7 @@ def bytes_only(model_path: str, names: list[str], tokens: int) -> None:
 
 def footprint(model, names: list[str], tokens: int) -> dict[str, float]:
     """x smaller than a bf16 DynamicCache by ``memory_footprint()`` after a real ``tokens``-token prefill."""
-    from hf_asymkv.bench.presets_table import measure_bytes
+    from hf_asymkv.evals.presets_table import measure_bytes
 
     return measure_bytes(model, names, tokens)
 

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..core.shapes import layer_shapes
 from . import peer_formats as pf
+from .schemes import PEER_SCHEMES
 
 __all__ = ["PEERS", "KiviLayer", "PeerCache", "PeerFormat", "PeerLayer", "make_peer_cache"]
 
@@ -38,7 +39,8 @@ class PeerFormat:
     """One peer's KV format.
 
     Args:
-        name: scheme name (``vllm-int8-pth``...). description: one line for tables.
+        name: scheme name, one of :data:`hf_asymkv.bench.schemes.PEER_SCHEMES` (the torch-free list of names).
+        description: one line for tables.
         source: where the format is defined (repository file or paper section).
         quantize: ``(layer, keys, values) -> (keys, values)``, ``[B, kv_heads, T, head_dim]`` each,
             quantize-dequantized in the input dtype (``None`` for :class:`KiviLayer` formats).
@@ -56,6 +58,11 @@ class PeerFormat:
     layer_bytes: int = 0
     boundary_layers: int = 0
     kivi_bits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in PEER_SCHEMES:
+            raise ValueError(f"peer format {self.name!r} has no scheme name; add it to PEER_SCHEMES "
+                             f"({list(PEER_SCHEMES)}).")
 
     def is_exact_layer(self, layer_idx: int, num_layers: int) -> bool:
         n = min(self.boundary_layers, num_layers // 2)

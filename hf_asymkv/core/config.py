@@ -7,7 +7,7 @@ model's head dims by :meth:`AsymKVConfig.resolved`. What one layer needs of it i
 window, sinks, overflow policy and buffer :class:`Growth`; layers and stores take that one object.
 
 Per-layer overrides (``layer_overrides={0: {"key_format": "int8"}, -1: {...}}``) change any of
-:data:`LAYER_SETTINGS` for given layer indices (negative ones count from the last layer); they are validated
+:data:`~hf_asymkv.core.registry.LAYER_SETTINGS` for given layer indices (negative ones count from the last layer); they are validated
 when the config is built (each override must make a valid config) and again when the model is known
 (:meth:`AsymKVConfig.layer_configs`: indices in range and naming quantized layers, group sizes that divide that
 layer's head_dim). A preset may carry them; the cache, its footprint and both attention paths read each layer's
@@ -28,18 +28,11 @@ from typing import Any
 import torch
 
 from .quant import GRANULARITIES, QuantSpec
+from .registry import KEY_FORMATS, LAYER_SETTINGS, OVERFLOW_POLICIES, VALUE_BITS
 
 __all__ = ["AsymKVConfig", "CONFIG_VERSION", "Growth", "KEY_FORMATS", "LAYER_SETTINGS", "LEGACY_DEFAULTS", "LayerConfig",
            "OVERFLOW_POLICIES", "SUPPORTED_CONFIG_VERSIONS", "VALUE_BITS"]
 
-KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int3", "int2")
-"""Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/3/2-bit for ablations and presets."""
-VALUE_BITS = (2, 3, 4, 5, 6, 8)
-"""Value code widths (asymmetric integer, scale + zero per group, unless ``value_symmetric``); 3, 5 and 6 bits
-are packed as two bit-plane sets (exactly ``bits / 8`` bytes per value)."""
-OVERFLOW_POLICIES = ("widen", "clip", "error")
-"""What a calibrated layer does with a key beyond its range: widen that block's scale (counted), saturate
-(counted), or raise ``ValueError``."""
 CONFIG_VERSION = 4
 """Version of the dict form written by :meth:`AsymKVConfig.to_dict`: 2 added ``key_symmetric``, ``key_rotation``
 and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V); 4 added
@@ -49,10 +42,6 @@ SUPPORTED_CONFIG_VERSIONS = (1, 2, 3, 4)
 """``config_version`` values :meth:`AsymKVConfig.from_dict` reads."""
 LEGACY_DEFAULTS = {"residual_length": 128, "sink_tokens": 0, "value_rotation": False}
 """Defaults of config versions 1 and 2 that version 3 changed (key_symmetric/key_rotation kept theirs)."""
-LAYER_SETTINGS = ("key_format", "value_bits", "value_group_size", "key_block_size", "residual_length", "sink_tokens",
-                  "key_granularity", "key_group_size", "value_granularity", "value_symmetric", "key_symmetric",
-                  "value_rotation", "key_rotation", "overflow_policy")
-"""Settings a per-layer override may change (buffer growth is the whole cache's)."""
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -152,7 +141,7 @@ class AsymKVConfig:
         overflow_policy: one of :data:`OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
-        layer_overrides: ``{layer index: {setting: value}}`` for settings of :data:`LAYER_SETTINGS` that differ
+        layer_overrides: ``{layer index: {setting: value}}`` for settings of :data:`~hf_asymkv.core.registry.LAYER_SETTINGS` that differ
             in given layers (e.g. ``{0: {"key_format": "int8", "key_symmetric": True}}`` to protect layer 0);
             negative indices count from the last layer. Stored normalized (sorted ``(index, ((setting, value),
             ...))`` pairs, so the config stays immutable and hashable); :meth:`overrides` gives the dict form.
@@ -365,7 +354,7 @@ def _normalized_overrides(value) -> tuple:
     """``{index: {setting: value}}`` (or its normalized form) -> sorted ``((index, ((setting, value), ...)), ...)``.
 
     Raises:
-        ValueError: not a mapping of int layer indices to mappings of :data:`LAYER_SETTINGS`.
+        ValueError: not a mapping of int layer indices to mappings of :data:`~hf_asymkv.core.registry.LAYER_SETTINGS`.
     """
     items = value.items() if isinstance(value, Mapping) else value
     if not isinstance(value, (Mapping, tuple)):

@@ -197,3 +197,36 @@ def test_constants_are_defined_once():
     assert "FP8_E4M3_MAX" in where and "SUPPORTED_CONFIG_VERSIONS" in where
     twice = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert not twice, f"define each constant in one module and import it elsewhere: {twice}"
+
+
+# Dependencies point one way (issue 24): evaluations build on the benchmarks' schemes, never the reverse; tools
+# use only what a core module exports.
+SCRIPTS = PACKAGE.parent / "scripts"
+TOOL_FILES = [p for p in PACKAGE_FILES if CORE not in p.parents] + sorted(SCRIPTS.glob("*.py"))
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "bench").rglob("*.py")), ids=lambda p: p.name)
+def test_bench_does_not_import_evals(path):
+    bad = [(target, line) for target, _, line in _imports(path) if target.startswith("hf_asymkv.evals")]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports the evaluations (they import bench): {bad}"
+
+
+def _core_exports(module: str) -> set[str]:
+    import importlib
+
+    return set(getattr(importlib.import_module(module), "__all__", ()))
+
+
+@pytest.mark.parametrize("path", TOOL_FILES, ids=[str(p.relative_to(PACKAGE.parent)) for p in TOOL_FILES])
+def test_tools_import_only_exported_core_names(path):
+    bad = [(target, name, line) for target, names, line in _imports(path) if target.startswith("hf_asymkv.core.")
+           for name in names if name not in _core_exports(target)]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports core names outside their module's __all__: {bad}"
+
+
+def test_registry_and_scheme_names_load_without_torch():
+    """The command line lists presets, formats and scheme names from plain modules (``--help`` stays fast)."""
+    code = ("import sys; import hf_asymkv.core.registry, hf_asymkv.bench.schemes; "
+            "print(' '.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []
