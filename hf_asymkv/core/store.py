@@ -224,11 +224,16 @@ class TensorStore:
         if n_sink:
             self.sinks.append(new[:, :, :n_sink])
             new = new[:, :, n_sink:]
+        # While nothing is quantized the window grows by exactly what comes in, as a DynamicCache does: a short
+        # prompt then holds no more bytes than a DynamicCache (growth slack would make it hold more).
+        growth = self.growth if self.blocks.length else None
         if not n_flush:
-            self.window.append(new, self.growth)
+            self.window.append(new, growth)
             return self.window.live, 0
         tail = self.joined(new)
         self.overlay.capture(tail[:, :, :n_flush], self.sinks.length + self.blocks.length)
+        if not self.blocks.length:  # the first flush: release the tight window's capacity (tail is a copy)
+            self.window.data = None
         nonfinite = self.blocks.append(tail[:, :, :n_flush], scale)
         self.window.truncate(0)
         self.window.append(tail[:, :, n_flush:], self.growth)

@@ -486,6 +486,39 @@ def test_memory_footprint_and_bf16_equivalent(llama, prompt):
     assert "AsymKVCache(" in repr(cache)
 
 
+# SmolLM2-135M's attention shape (head_dim 64, 3 KV heads), two layers: bytes per layer depend on shapes only.
+SMOLLM_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_hidden_layers=2,
+                    intermediate_size=64, vocab_size=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+def test_short_prompts_cost_no_more_than_a_dynamic_cache(preset, dtype):
+    """A 37-token prompt, then decoding to 400 tokens: never more bytes than a DynamicCache in the model's dtype
+    (at 37 tokens + decoding it was 0.90x: the window's growth slack), and fewer from the first quantized block on:
+    the break-even length is sink_tokens + residual_length + key_block_size (196 tokens for the default)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**SMOLLM_SHAPE)
+    cache = AsymKVCache.from_preset(preset, config)
+    settings = PRESETS[preset]
+    break_even = settings.sink_tokens + settings.residual_length + settings.key_block_size
+    g = torch.Generator().manual_seed(0)
+    first_saving = None
+    for length in range(37, 401):
+        n = 37 if length == 37 else 1
+        for i in range(2):
+            k, v = (torch.randn(1, 3, n, 64, generator=g).to(dtype) for _ in range(2))
+            cache.update(k, v, i)
+        ratio = cache.memory_footprint()["ratio_vs_model_dtype"]
+        assert ratio >= 1.0, (length, ratio)
+        if ratio > 1.0 and first_saving is None:
+            first_saving = length
+        if first_saving is not None:
+            assert ratio > 1.0, (length, ratio)
+    assert first_saving == break_even
+
+
 @pytest.mark.parametrize("model_name, dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
                                                ("hybrid", torch.float32)], ids=["fp32", "bf16", "hybrid-fp32"])
 def test_model_dtype_equivalent_is_a_real_dynamic_cache(request, prompt, model_name, dtype):
