@@ -94,14 +94,42 @@ class AsymKVCache(Cache):
                 "AsymKVCache needs at least one full or sliding attention layer."
             )
         # Group sizes must divide the head_dim of every layer that quantizes (the full-attention ones).
-        full = {i: shape.head_dim for i, shape in enumerate(shapes) if shape.quantized}
-        self.cache_config = cache_config.resolved(sorted(set(full.values()) or {s.head_dim for s in shapes}))
-        self.layer_configs = self.cache_config.layer_configs(full, [shape.layer_type for shape in shapes])
+        self.shapes = shapes
+        self.cache_config = self._resolved(cache_config)
+        self.layer_configs = self._layer_configs(self.cache_config)
         key_absmax = self._checked_key_ranges(key_absmax, shapes, from_scales=scales is not None)
         # The configs the model's attention reads its implementation from: looked up at every update, so that
         # `model.set_attn_implementation(...)` after the cache was built takes effect.
         self._attn_configs = (config, text_config)
         super().__init__(layers=self._build_layers(text_config, key_absmax))
+
+    def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
+        head_dims = {shape.head_dim for shape in self.shapes if shape.quantized}
+        return cache_config.resolved(sorted(head_dims or {shape.head_dim for shape in self.shapes}))
+
+    def _layer_configs(self, cache_config: AsymKVConfig) -> dict:
+        quantized = {i: shape.head_dim for i, shape in enumerate(self.shapes) if shape.quantized}
+        return cache_config.layer_configs(quantized, [shape.layer_type for shape in self.shapes])
+
+    def apply_layer_overrides(self, layer_overrides) -> None:
+        """Replace the per-layer overrides (``AsymKVConfig.layer_overrides``) of a cache none of whose layers holds a
+        quantized block yet: protection chosen from the prefill (set ``keep_latest_exact`` on the layers so that
+        the prefill stays exact, measure it, then call this before the next update).
+
+        Raises:
+            ValueError: an invalid override (named by layer, as at construction) or a layer that already holds
+                quantized blocks; nothing is changed then.
+        """
+        config = self._resolved(self.cache_config.replace(layer_overrides=layer_overrides))
+        layer_configs = self._layer_configs(config)
+        for i, layer_config in layer_configs.items():
+            try:
+                self.layers[i].check_reconfigure(layer_config)
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+        for i, layer_config in layer_configs.items():
+            self.layers[i].reconfigure(layer_config)
+        self.cache_config, self.layer_configs = config, layer_configs
 
     @property
     def fused_attention(self) -> bool:

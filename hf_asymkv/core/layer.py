@@ -81,17 +81,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
 
     def __init__(self, config: LayerConfig, *, key_absmax: torch.Tensor | None = None, return_views: bool = False):
         super().__init__()
-        if not isinstance(config, LayerConfig):
-            raise ValueError(f"AsymKVLayer takes a LayerConfig (AsymKVConfig(...).layer_config()), got "
-                             f"{type(config).__name__}.")
-        key_spec = config.key_spec
-        if key_absmax is not None and (key_spec.granularity != "channel" or not key_spec.symmetric):
-            raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
-                             f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
-                             f"symmetric={key_spec.symmetric}.")
-        if key_absmax is not None and key_spec.rotated:
-            raise ValueError("a calibrated key range (key_absmax) holds ranges of unrotated key channels: it needs a key "
-                             "spec with rotated=False (key_rotation=False), got rotated=True.")
+        _check_config(config, key_absmax)
         self.config = config
         self.return_views = return_views
         self.record_past = False  # transformers' name: set by activate_past_recording(), cleared by generate
@@ -99,6 +89,29 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self.key_absmax = key_absmax
         self.stats: Counter = Counter()
         self._clear()
+
+    def reconfigure(self, config: LayerConfig) -> None:
+        """Switch to ``config`` before anything is quantized: e.g. protection chosen from the prefill, which
+        ``keep_latest_exact`` keeps exact until the next update. The exact sinks and window stay as they are.
+
+        Raises:
+            ValueError: blocks already stored, another ``sink_tokens`` once tokens are stored, or a config the
+                layer's calibrated key range cannot serve.
+        """
+        self.check_reconfigure(config)
+        for store, spec in zip(self.stores, (config.key_spec, config.value_spec)):
+            store.respec(spec, config.growth)
+        self.config = config
+
+    def check_reconfigure(self, config: LayerConfig) -> None:
+        """Raise the ``ValueError`` :meth:`reconfigure` would raise, changing nothing."""
+        _check_config(config, self.key_absmax)
+        if self.key_store.blocks.length:
+            raise ValueError(f"cannot reconfigure a layer that holds {self.key_store.blocks.length} quantized tokens "
+                             "(change settings before the first block, e.g. right after the prefill).")
+        if self.cumulative_length and config.sink_tokens != self.sink_tokens:
+            raise ValueError(f"cannot change sink_tokens from {self.sink_tokens} to {config.sink_tokens} once tokens "
+                             "are stored.")
 
     # The settings as attributes (read by the cache, the tests and tools): one source, the config.
     key_spec = property(lambda self: self.config.key_spec)
@@ -320,3 +333,18 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         for store in self.stores:
             store.map_batch(fn)
+
+
+def _check_config(config: LayerConfig, key_absmax: torch.Tensor | None) -> None:
+    """A :class:`LayerConfig`, whose key spec can use a calibrated range if one is given (``ValueError`` otherwise)."""
+    if not isinstance(config, LayerConfig):
+        raise ValueError(f"AsymKVLayer takes a LayerConfig (AsymKVConfig(...).layer_config()), got "
+                         f"{type(config).__name__}.")
+    key_spec = config.key_spec
+    if key_absmax is not None and (key_spec.granularity != "channel" or not key_spec.symmetric):
+        raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
+                         f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
+                         f"symmetric={key_spec.symmetric}.")
+    if key_absmax is not None and key_spec.rotated:
+        raise ValueError("a calibrated key range (key_absmax) holds ranges of unrotated key channels: it needs a key "
+                         "spec with rotated=False (key_rotation=False), got rotated=True.")

@@ -206,6 +206,20 @@ class TensorStore:
         self.spec.packed_dim(head_dim)
         self.head_dim = head_dim
 
+    def respec(self, spec: QuantSpec, growth: Growth) -> None:
+        """Store future blocks with ``spec`` and grow with ``growth``; only while no block is stored (the exact sinks
+        and window are kept as they are).
+
+        Raises:
+            ValueError: blocks are already stored, or ``spec`` does not fit the head_dim seen so far.
+        """
+        if self.blocks.length:
+            raise ValueError(f"cannot change how {self.kind}s are stored: {self.blocks.length} tokens are already "
+                             "quantized (change settings before the first block, e.g. right after the prefill).")
+        self.blocks, self.growth = QuantizedBlocks(spec, growth), growth
+        if self.head_dim:
+            self.check_width(self.head_dim)
+
     def joined(self, new: torch.Tensor) -> torch.Tensor:
         """Window + ``new`` tokens; bounded by ``residual_length + block_size + n`` (never the whole cache)."""
         return new if self.window.length == 0 else torch.cat([self.window.live, new], dim=2)

@@ -92,3 +92,51 @@ def test_presets_take_overrides():
     cache = AsymKVCache.from_preset("max", llama_config(), layer_overrides=PROTECT)
     assert cache.layers[0].key_spec.fmt == "int8" and cache.layers[1].key_spec.fmt == "int2"
     assert "overrides for layers [0]" in repr(cache)
+
+
+def test_overrides_chosen_after_the_prefill():
+    """Protection chosen by measurement: keep the prefill exact, look at it, then set overrides before the next
+    update; the cache then equals one built with those overrides from the start."""
+    cache = AsymKVCache(llama_config(), **BASE)
+    for layer in cache.layers:
+        layer.keep_latest_exact = True
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 1, 2, 70, 16, generator=g)
+    for i in range(2):
+        cache.update(k, v, i)
+    assert cache.stats()["tokens_quantized"] == 0  # the prefill is still exact: it can be measured
+    cache.apply_layer_overrides(PROTECT)
+    for layer in cache.layers:
+        layer.keep_latest_exact = False
+    assert cache.cache_config.overrides() == PROTECT and cache.layers[0].key_spec.fmt == "int8"
+    reference = AsymKVCache(llama_config(), **BASE, layer_overrides=PROTECT)
+    for i in range(2):
+        reference.update(k, v, i)
+    step = torch.randn(2, 1, 2, 1, 16, generator=g)
+    for i in range(2):
+        cache.update(*step, i)  # the deferred prefill is quantized now (and read exact this once: it is at hand)
+        reference.update(*step, i)
+        empty = step[0][:, :, :0]
+        assert all(torch.equal(a, b) for a, b in zip(cache.update(empty, empty, i), reference.update(empty, empty, i)))
+
+
+def test_overrides_refused_once_blocks_exist():
+    cache = AsymKVCache(llama_config(), **BASE)
+    k = torch.randn(1, 2, 40, 16)
+    cache.update(k, k, 0)  # layer 0 quantizes at once; layer 1 is still empty
+    with pytest.raises(ValueError, match=r"layer 0: cannot reconfigure a layer that holds 24 quantized tokens"):
+        cache.apply_layer_overrides(PROTECT)
+    assert cache.layers[0].key_spec.fmt == "int2" and cache.cache_config.overrides() == {}  # nothing changed
+    with pytest.raises(ValueError, match=r"layer_overrides names layer 5, but the model has 2 layers"):
+        cache.apply_layer_overrides({5: {"value_bits": 8}})
+
+
+def test_reconfigure_refuses_other_sinks_once_tokens_are_stored():
+    cache = AsymKVCache(llama_config(), **BASE)
+    layer = cache.layers[1]
+    layer.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))
+    other = AsymKVCache(llama_config(), **BASE, sink_tokens=0).layer_configs[1]
+    with pytest.raises(ValueError, match=r"cannot change sink_tokens from 4 to 0 once tokens are stored"):
+        layer.reconfigure(other)
+    with pytest.raises(ValueError, match=r"AsymKVLayer takes a LayerConfig .*got dict"):
+        layer.reconfigure({})
