@@ -1,5 +1,6 @@
 """Plain helpers shared by several test modules (fixtures live in conftest.py)."""
 
+import dataclasses
 import importlib.util
 import warnings
 from pathlib import Path
@@ -7,6 +8,16 @@ from pathlib import Path
 import torch
 
 from hf_asymkv import cache_kwargs
+from hf_asymkv.core.config import Growth, LayerConfig
+from hf_asymkv.core.quant import QuantSpec
+
+
+def layer_config(key_spec: QuantSpec, value_spec: QuantSpec, block_size: int, *, growth_factor: float = 1.25,
+                 max_growth_tokens: int = 256, **settings) -> LayerConfig:
+    """A :class:`LayerConfig` from hand-made specs, both put in blocks of ``block_size``; ``settings``: the other
+    LayerConfig fields (``residual_length``, ``sink_tokens``, ``overflow_policy``)."""
+    specs = (dataclasses.replace(spec, block_size=block_size) for spec in (key_spec, value_spec))
+    return LayerConfig(*specs, growth=Growth(growth_factor, max_growth_tokens), **settings)
 
 
 def greedy_with_logits(model, prompt: torch.Tensor, cache, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,8 +132,10 @@ def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 204
     """
     from tqdm.auto import tqdm
 
+    from ..core.scales import config_fingerprint
     from ..models import input_device
 
+    config_fingerprint(model.config)  # a config the scales file cannot describe fails here, before any model pass
     device = input_device(model)  # not model.device: that is `meta` when a device map offloads the embeddings
     stats: dict[int, LayerStats] = {}
     total = sum(math.ceil(s.shape[-1] / chunk_size) for s in samples)

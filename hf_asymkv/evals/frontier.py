@@ -39,6 +39,7 @@ import torch
 from ..bench.memory import cache_nbytes
 from ..bench.peers import PEERS
 from ..bench.schemes import PRESET_NAMES, SCHEMES, make_cache
+from ..core.shapes import layer_shapes
 from .attention import run_attention
 from .common import progress
 from .haystack import load_text
@@ -100,17 +101,17 @@ def scheme_nbytes(name: str, config, tokens: int, seed: int = 0) -> int:
     peers count what their engine would store for the tokens each layer holds (:meth:`PeerCache.engine_nbytes`;
     sliding-window layers exact and bounded, as ours), everything else its tensors.
     """
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    shapes = layer_shapes(config)
     gen = torch.Generator().manual_seed(seed)
     cache = make_cache(name, config)
     # the prefill, then one decode step: transformers' sliding-window layers keep the whole prefill tensor's storage
     # behind their window view until the next update, which an engine would not count
     for n in (tokens, 1):
-        for i in range(text.num_hidden_layers):
-            k, v = (torch.randn(1, heads, n, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
-            cache.update(k, v, i)
+        for i, shape in enumerate(shapes):
+            if shape.holds_kv:
+                k, v = (torch.randn(1, shape.kv_heads, n, shape.head_dim, generator=gen).to(torch.bfloat16)
+                        for _ in range(2))
+                cache.update(k, v, i)
     return cache.engine_nbytes() if name in PEERS else cache_nbytes(cache)
 
 

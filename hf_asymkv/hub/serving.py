@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.cache import kv_layer_indices
 from ..core.fileio import usual_mode, write_folder_atomically
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
+from ..core.shapes import kv_layer_indices
 from .attention_names import attention_prefixes
 from .sglang import SGLANG_FILE, sglang_scales
 from .vllm import STRATEGIES, kv_cache_scheme, kv_scale_tensors

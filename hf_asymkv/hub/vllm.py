@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..core.cache import kv_layer_indices
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
+from ..core.shapes import kv_layer_indices, layer_shapes
 
 __all__ = ["KV_CACHE_SCHEME", "STRATEGIES", "VLLM_SCALES_FILE", "export_vllm", "kv_cache_scheme", "kv_scale_tensors",
            "read_vllm_scales", "vllm_scale_names"]
@@ -217,8 +217,9 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     else:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
 
-    fp = config_fingerprint(config)
-    heads, head_dim, n_layers = fp["num_key_value_heads"], fp["head_dim"], fp["num_hidden_layers"]
+    fp, shapes = config_fingerprint(config), layer_shapes(config)
+    n_layers = fp["num_hidden_layers"]
+    kv_heads = {i: shape.kv_heads for i, shape in enumerate(shapes)}
     found: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}  # (layer, "k"/"v") -> (scale(s), "file: tensor")
     prefixes: dict[str, str] = {}
     for f in files:
@@ -231,6 +232,7 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
         for name, (prefix, layer, kind) in names:
             where = f"{f.name}: {name}"
             prefixes.setdefault(prefix, where)
+            heads = kv_heads.get(layer, shapes[0].kv_heads)  # a layer beyond the model is named below
             value = _scale_values(tensors[name], heads, f"{where} (layer {layer}): {kind}_scale")
             previous = found.get((layer, kind))
             if previous is not None and not (previous[0].numel() == value.numel()
@@ -257,8 +259,9 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     if missing:
         raise ValueError(f"{where_all}: incomplete KV scales ({len(missing)} missing): " + "; ".join(missing[:8])
                          + (" ..." if len(missing) > 8 else ""))
-    k_abs = {i: (found[(i, "k")][0] * FP8_E4M3_MAX).reshape(-1, 1).expand(heads, head_dim).clone() for i in layers}
-    v_abs = {i: (found[(i, "v")][0] * FP8_E4M3_MAX).expand(heads).clone() for i in layers}
+    k_abs = {i: (found[(i, "k")][0] * FP8_E4M3_MAX).reshape(-1, 1).expand(shapes[i].kv_heads, shapes[i].head_dim).clone()
+             for i in layers}
+    v_abs = {i: (found[(i, "v")][0] * FP8_E4M3_MAX).expand(shapes[i].kv_heads).clone() for i in layers}
     per_head = any(value.numel() > 1 for value, _ in found.values())
     kind_of = "per-head" if per_head else "per-tensor"
     meta = {

@@ -84,8 +84,9 @@ CANDIDATES: dict[str, dict] = {
 
 
 def _head_dim(config) -> int:
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    from hf_asymkv.core.shapes import layer_shapes
+
+    return next(s.head_dim for s in layer_shapes(config) if s.quantized)
 
 
 def _factory(settings: dict):
@@ -167,7 +168,7 @@ def bytes_only(model_path: str, names: list[str], tokens: int) -> None:
 
 def footprint(model, names: list[str], tokens: int) -> dict[str, float]:
     """x smaller than a bf16 DynamicCache by ``memory_footprint()`` after a real ``tokens``-token prefill."""
-    from hf_asymkv.bench.presets_table import measure_bytes
+    from hf_asymkv.evals.presets_table import measure_bytes
 
     return measure_bytes(model, names, tokens)
 

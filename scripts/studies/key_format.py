@@ -97,9 +97,9 @@ def key_stats(keys: torch.Tensor) -> dict:
         "noise": {},
     }
     for fmt in FORMATS:
-        spec = QuantSpec(fmt, "channel", None, True, torch.bfloat16)  # = AsymKVCache's key spec
-        scale, zero = compute_scale_zero(k, spec, BLOCK)
-        deq = dequantize(quantize(k, scale, zero, spec, BLOCK), scale, zero, spec, BLOCK, dtype=torch.float32)
+        spec = QuantSpec(fmt, "channel", None, True, torch.bfloat16, block_size=BLOCK)  # = AsymKVCache's key spec
+        scale, zero = compute_scale_zero(k, spec)
+        deq = dequantize(quantize(k, scale, zero, spec), scale, zero, spec, dtype=torch.float32)
         out["noise"][fmt] = float((k.double() - deq.double()).pow(2).sum())
     return out
 
@@ -306,6 +306,7 @@ def main() -> None:
 
     import transformers
 
+    from hf_asymkv.core.shapes import layer_shapes
     from hf_asymkv.models import load_model
 
     t0 = time.time()
@@ -321,7 +322,7 @@ def main() -> None:
     meta = {
         "name": name, "model": args.model, "model_class": type(model).__name__,
         "n_layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
-        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "head_dim": next(s.head_dim for s in layer_shapes(model.config) if s.quantized),
         "lengths": args.lengths, "samples": args.samples, "formats": FORMATS, "tail": TAIL, "max_new": MAX_NEW,
         "residual_length": RESIDUAL, "key_block_size": BLOCK, "value_bits": VALUE_BITS,
         "prompt_format": "chat template" if tokenizer.chat_template else "plain completion prompt (no chat template)",

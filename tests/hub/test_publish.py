@@ -550,3 +550,12 @@ def test_cli_help(command, capsys):
         main([command, "--help"])
     assert info.value.code == 0
     assert "usage: hf-asymkv " + command in capsys.readouterr().out
+
+
+def test_published_layer_overrides_round_trip(llama, model_dir, scales_file, tmp_path):
+    """Per-layer overrides (issue 22) are saved in asymkv_config.json and read back by from_pretrained."""
+    overrides = {0: {"key_format": "int8", "value_bits": 8}, -1: {"residual_length": 16}}
+    folder = publish(str(model_dir), scales_file, tmp_path / "pub", settings={**SMALL, "layer_overrides": overrides})
+    cache = AsymKVCache.from_pretrained(folder, llama.config)
+    assert cache.cache_config.overrides() == overrides
+    assert cache.layers[0].value_spec.bits == 8 and cache.layers[1].residual_length == 16
