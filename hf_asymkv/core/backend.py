@@ -1,0 +1,60 @@
+"""The fused attention's backend for one call, and the translation of a layer's stored K/V into the Triton
+kernel's plain regions (:mod:`hf_asymkv.kernels`): the only place where the core meets the kernels.
+
+``HF_ASYMKV_ATTENTION_BACKEND`` (:mod:`hf_asymkv.kernels.backend`) picks ``torch`` (:func:`~.attention.fused_attention`)
+or ``triton``; ``auto`` takes Triton for CUDA tensors when it can serve the call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.backend import choose_backend
+from ..kernels.regions import ExactSegment, QuantizedRegion, StoredCodes, unsupported
+from .quant import packs_tokens
+
+__all__ = ["attention_backend", "kernel_regions", "triton_attention"]
+
+
+def _stored(kv) -> StoredCodes:
+    """The quantized part of a :class:`~hf_asymkv.core.attention.QuantizedKV` as the kernel reads it."""
+    spec = kv.spec
+    layout = "tokens" if packs_tokens(spec.bits, kv.block_size, kv.codes.shape[2]) else "head_dim"
+    return StoredCodes(kv.codes, kv.scale, kv.zero, spec.bits, spec.symmetric, layout, kv.block_size, spec.rotated)
+
+
+def kernel_regions(key, value) -> tuple[QuantizedRegion, tuple[ExactSegment, ...]]:
+    """``[prefix][codes][tail]`` of a layer's :class:`~hf_asymkv.core.attention.QuantizedKV` keys and values as one
+    quantized region and its exact segments, at their mask columns."""
+    ns, n = key.n_prefix, key.codes.shape[2]
+    segments = [ExactSegment(key.prefix, value.prefix, 0)] if ns else []
+    segments.append(ExactSegment(key.tail, value.tail, ns + n))
+    return QuantizedRegion(_stored(key), _stored(value), start=ns), tuple(segments)
+
+
+def attention_backend(query: torch.Tensor, key, value, refused: str | None) -> str:
+    """``"triton"`` or ``"torch"`` for a fused call over ``key``/``value`` (``QuantizedKV``).
+
+    Args:
+        refused: a feature of the call that no fused path serves (``"sliding_window"``, ...), or None.
+
+    Raises:
+        ImportError, ValueError: ``HF_ASYMKV_ATTENTION_BACKEND=triton`` and the kernel cannot serve the call
+            (see :func:`hf_asymkv.kernels.backend.choose_backend`), or an unknown backend name.
+    """
+    problem = refused
+    if problem is None:
+        region, segments = kernel_regions(key, value)
+        problem = unsupported(query, region, segments)
+    return choose_backend(query.device, problem)
+
+
+def triton_attention(query: torch.Tensor, key, value, attention_mask: torch.Tensor | None, scaling: float
+                     ) -> torch.Tensor:
+    """:func:`~hf_asymkv.core.attention.fused_attention` on the Triton kernel: ``[B, q, Hq, D]``."""
+    from ..kernels.decode import decode_attention  # imports Triton
+
+    region, segments = kernel_regions(key, value)
+    kv_len = key.shape[2]
+    mask = None if attention_mask is None else attention_mask[..., -kv_len:]
+    return decode_attention(query, scaling, quantized=region, exact=segments, attention_mask=mask, kv_len=kv_len)
