@@ -10,8 +10,14 @@ its last token) keep greedy continuations varied.
 from __future__ import annotations
 
 import copy
+import os
 import random
 from pathlib import Path
+
+# The Triton kernels are tested under Triton's interpreter on CPU tensors (tests/kernels). Triton decides between
+# compiling and interpreting when its modules are imported, and transformers imports Triton when it is installed:
+# so the interpreter is selected here, before transformers is imported.
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch

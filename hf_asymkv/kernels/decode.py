@@ -33,7 +33,7 @@ __all__ = ["MAX_EXACT_SEGMENTS", "decode_attention"]
 
 MAX_EXACT_SEGMENTS = 2
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
-INTERPRETER_PROGRAMS = 8  # on CPU tensors (the interpreter): few programs, but several splits to merge
+INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -123,16 +123,19 @@ def _target_programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * _sm_count(device) if device.type == "cuda" else INTERPRETER_PROGRAMS
 
 
-def _mask_args(mask: torch.Tensor | None, q_len: int, hq: int, fallback: torch.Tensor) -> tuple[list, int]:
-    """``([tensor, 4 strides], mode)`` for a region's ``[B|1, 1|Hq, q, n]`` mask (size-1 axes broadcast)."""
+def _mask_args(mask: torch.Tensor | None, q_len: int, hq: int, fallback: torch.Tensor, start: int
+               ) -> tuple[list, int, int]:
+    """``([tensor, 4 strides], mode, first column)`` for a region's ``[B|1, 1|Hq, q, n]`` mask (size-1 axes
+    broadcast): the kernel reads the mask at columns ``first + token`` (0 for this region-local slice), or
+    applies the causal rule at ``start + token`` when there is no mask."""
     if mask is None:
-        return [fallback, 0, 0, 0, 0], MASK_NONE if q_len == 1 else MASK_CAUSAL
+        return [fallback, 0, 0, 0, 0], MASK_NONE if q_len == 1 else MASK_CAUSAL, start
     if mask.dim() != 4 or mask.shape[1] not in (1, hq) or mask.shape[2] != q_len:
         raise ValueError(f"attention mask of shape {tuple(mask.shape)}; expected [B|1, 1|{hq}, {q_len}, kv].")
     strides = [0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride())]
     if mask.dtype == torch.bool:
-        return [mask.view(torch.uint8), *strides], MASK_BOOL
-    return [mask, *strides], MASK_ADDITIVE
+        return [mask.view(torch.uint8), *strides], MASK_BOOL, 0
+    return [mask, *strides], MASK_ADDITIVE, 0
 
 
 def _region_mask(region, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -149,9 +152,8 @@ def _exact_args(seg: ExactSegment | None, attention_mask, q_len: int, hq: int, d
     """Pointer and stride arguments of one exact-segment slot, then its mask mode (a dummy slot when None)."""
     if seg is None:
         return [dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0, 0, 0, MASK_NONE]
-    mask, mode = _mask_args(_region_mask(seg, attention_mask), q_len, hq, seg.keys)
-    return [seg.keys, *seg.keys.stride(), seg.values, *seg.values.stride(), *mask, seg.tokens,
-            seg.start if seg.mask is None else 0, mode]
+    mask, mode, column = _mask_args(_region_mask(seg, attention_mask), q_len, hq, seg.keys, seg.start)
+    return [seg.keys, *seg.keys.stride(), seg.values, *seg.values.stride(), *mask, seg.tokens, column, mode]
 
 
 def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
@@ -184,6 +186,5 @@ def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: 
         return [*keys, *values, dummy, 0, 0, 0, 0, 0, 0], {**key_constants, **value_constants, "Q_MASK": MASK_NONE}
     keys, key_constants = _code_args(region.keys, "K")
     values, value_constants = _code_args(region.values, "V")
-    mask, mode = _mask_args(_region_mask(region, attention_mask), q_len, hq, dummy)
-    column = region.start if region.mask is None else 0
+    mask, mode, column = _mask_args(_region_mask(region, attention_mask), q_len, hq, dummy, region.start)
     return [*keys, *values, *mask, region.tokens, column], {**key_constants, **value_constants, "Q_MASK": mode}

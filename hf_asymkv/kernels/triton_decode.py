@@ -114,7 +114,8 @@ def _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_le
         if MODE == 1:
             bias = tl.where(m != 0, 0.0, float("-inf"))
         else:
-            bias = m.to(tl.float32) * 1.4426950408889634
+            # clamped first: a dtype's lowest value (transformers' eager masks) would overflow to -inf times log2(e)
+            bias = tl.maximum(m.to(tl.float32), -1.0e38) * 1.4426950408889634
     return tl.where(valid, bias, float("-inf"))
 
 
