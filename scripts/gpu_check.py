@@ -38,10 +38,10 @@ BANDWIDTH_TBPS = 4.8  # H200 HBM3e; every time is printed beside bytes / this ba
 BUDGET_GIB = 60.0  # KV memory for the longest-context table: an 80 GB card minus Llama-3-8B's 16 GB of weights
 FULL_LAYERS = 32  # layers of the model the budget is for (Llama-3-8B)
 OUT = Path(__file__).resolve().parents[1] / "results" / "gpu"
-# --dry-run: tiny shapes, contexts that still quantize blocks of every preset (128-token blocks after 4 sinks and a
-# 64-token window), one warm-up step
-DRY = dict(contexts=[256], long_batch=[2, 256], steps=2, warmup=1, layers=2, attention_context=320,
-           attention_batches=[2], iters=2)
+# --dry-run: tiny shapes, contexts that still quantize a block of every preset (128-token blocks after 4 sinks and a
+# 64-token window), one step
+DRY = dict(contexts=[200], long_batch=[2, 200], steps=1, warmup=1, layers=2, attention_context=256,
+           attention_batches=[2], iters=1)
 CHECK_CONTEXT = 4096  # context of the kernel-vs-torch agreement check (at most the attention context)
 
 
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args: argparse.Namespace, schemes: list[str]) -> dict:
     import torch
 
-    from hf_asymkv.bench import gpu_attention, gpu_report, gpu_runs
+    from hf_asymkv.bench import gpu_attention, gpu_report, gpu_runs, op_count
+    from hf_asymkv.core.presets import PRESETS as PRESETS_ALL
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     shapes = dataclasses.replace(gpu_runs.DRY_SHAPES if args.dry_run else gpu_runs.LLAMA3_8B, layers=args.layers)
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace, schemes: list[str]) -> dict:
     bandwidth = args.bandwidth_tbps * 1e12
     meta = _meta(args, shapes, model, device)
     print(f"model: {shapes}, weights read per step {meta['weight_bytes'] / 2**30:.2f} GiB", flush=True)
+    flush = op_count.flush_cost_rows(model, list(PRESETS_ALL))
     checks = gpu_attention.kernel_check_rows(model, PRESETS, 2, min(CHECK_CONTEXT, args.attention_context))
     attention = [row for batch in args.attention_batches
                  for row in gpu_attention.attention_rows(model, PRESETS, batch, args.attention_context, args.iters)]
@@ -128,9 +130,9 @@ def run(args: argparse.Namespace, schemes: list[str]) -> dict:
     attention = gpu_report.attention_table(attention, bandwidth)
     fit = gpu_report.fit_rows(decode, shapes.layers, args.full_layers, args.budget_gib * 2**30)
     goals = gpu_report.goal_rows(decode, attention, max(args.contexts), tuple(args.long_batch))
-    report = {"meta": meta, "kernel_check": checks, "attention": attention, "decode": decode, "fit": fit,
-              "goals": goals}
-    markdown = gpu_report.markdown_report(meta, checks, attention, decode, fit, goals)
+    report = {"meta": meta, "update_cost": flush, "kernel_check": checks, "attention": attention, "decode": decode,
+              "fit": fit, "goals": goals}
+    markdown = gpu_report.markdown_report(meta, flush, checks, attention, decode, fit, goals)
     print(markdown)
     for path in gpu_report.write_report(args.out, report, markdown):
         print(f"wrote {path}")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.attention import fused_attention
-from ..core.backend import triton_attention
+from ..core.backend import triton_fused_attention
 from ..core.quant import sqnr_db
 from .gpu_runs import attention_backend_env, timed_seconds
 from .schemes import make_cache, scheme_attention
@@ -32,6 +32,8 @@ def _quantized_kv(model, preset: str, batch: int, context: int, dtype: torch.dty
         cache = make_cache(name, cfg)
         cache.update(keys[:, :, :-q_len].to(dtype), values[:, :, :-q_len].to(dtype), 0)
         key, value = cache.update(keys[:, :, -q_len:].to(dtype), values[:, :, -q_len:].to(dtype), 0)
+    if not hasattr(key, "codes"):
+        raise ValueError(f"a context of {context} tokens quantizes no block of preset {preset!r}: use a longer one.")
     query = torch.randn(batch, cfg.num_attention_heads, q_len, cfg.head_dim, generator=g, device=device).to(dtype)
     return key, value, query
 
@@ -82,7 +84,7 @@ def attention_rows(model, presets: list[str], batch: int, context: int, iters: i
             rows.append({"impl": "sdpa-bf16", "batch": batch, "context": context,
                          "bytes": 2 * dense_k.numel() * dense_k.element_size(), **_time_call(sdpa, iters, model.device)})
         with attention_backend_env("triton"):
-            ours = lambda: triton_attention(query, key, value, None, scale)  # noqa: E731
+            ours = lambda: triton_fused_attention(query, key, value, None, scale, None)  # noqa: E731
             rows.append({"impl": f"triton-{preset}", "batch": batch, "context": context,
                          "bytes": read_bytes(key) + read_bytes(value), **_time_call(ours, iters, model.device)})
     return rows
@@ -103,7 +105,7 @@ def kernel_check_rows(model, presets: list[str], batch: int, context: int) -> li
                 mask[1:, :, :, :7] = False
                 want = fused_attention(query, key, value, mask, query.shape[-1] ** -0.5)
                 with attention_backend_env("triton"):
-                    got = triton_attention(query, key, value, mask, query.shape[-1] ** -0.5)
+                    got = triton_fused_attention(query, key, value, mask, query.shape[-1] ** -0.5, None)
                 rows.append({"preset": preset, "dtype": str(dtype).replace("torch.", ""), "q_len": q_len,
                              "sqnr_db": sqnr_db(want, got)})
     return rows

@@ -121,12 +121,16 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(meta: dict, checks: list[dict], attention: list[dict], decode: list[dict], fit: list[dict],
-                    goals: list[dict]) -> str:
-    """The whole report as markdown: setup, kernel check, attention alone, decode, fit, goals."""
-    out = [f"# GPU check{' (dry run: CPU, Triton interpreter, tiny shapes: no figure means anything)' if meta['dry_run'] else ''}",
-           "", "```", json.dumps(meta, indent=1), "```", "", "## Kernel vs torch fused attention (same codes)", "",
-           "| preset | dtype | q | SQNR dB |", "|---|---|---:|---:|"]
+def markdown_report(meta: dict, update_cost: list[dict], checks: list[dict], attention: list[dict],
+                    decode: list[dict], fit: list[dict], goals: list[dict]) -> str:
+    """The whole report as markdown: setup, update cost, kernel check, attention alone, decode, fit, goals."""
+    dry = " (dry run: CPU, Triton interpreter, tiny shapes: no time means anything)" if meta["dry_run"] else ""
+    out = [f"# GPU check{dry}", "", "```", json.dumps(meta, indent=1), "```", "",
+           "## Cache update, one layer and one token (device-independent counts)", "",
+           "| preset | step | torch ops (launches) | host syncs |", "|---|---|---:|---:|"]
+    out += [f"| {u['preset']} | {u['step']} | {u['launches']} | {u['syncs']} |" for u in update_cost]
+    out += ["", "## Kernel vs torch fused attention (same codes)", "", "| preset | dtype | q | SQNR dB |",
+            "|---|---|---:|---:|"]
     out += [f"| {c['preset']} | {c['dtype']} | {c['q_len']} | {c['sqnr_db']:.1f} |" for c in checks]
     out += ["", "## Attention alone (one layer, one query token)", "",
             "| impl | batch | context | us (graph) | us (eager) | ceiling us | x ceiling | x SDPA (ceiling) | MiB read |",

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .backend import attention_backend, triton_attention
+from .backend import triton_fused_attention
 from .quant import QuantSpec, decode_codes, dequantize
 from .rotation import dequantize_rotated, rotate, unrotate
 
@@ -235,8 +235,8 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     Dense K/V (layers that are not quantized, or nothing quantized yet) go to transformers' SDPA unchanged;
     :class:`QuantizedKV` goes through the fused attention when it can be folded and the query has at most
     :data:`FUSED_MAX_QUERY_TOKENS` tokens, else is decoded densely. The fused attention runs on the backend
-    :func:`~hf_asymkv.core.backend.attention_backend` picks (``HF_ASYMKV_ATTENTION_BACKEND``): the Triton kernel
-    (CUDA tensors, by default) or :func:`fused_attention`.
+    ``HF_ASYMKV_ATTENTION_BACKEND`` picks (:func:`~hf_asymkv.core.backend.triton_fused_attention`): the Triton
+    kernel (CUDA tensors, by default) or :func:`fused_attention`.
     Returns ``(attn_output [B, q, Hq, D], None)`` like the SDPA path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -250,8 +250,9 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         if key.codes.shape[2] and query.shape[2] <= FUSED_MAX_QUERY_TOKENS:
             refused = _refused(module, key, dropout, kwargs)
             scale = scaling if scaling is not None else key.tail.shape[-1] ** -0.5
-            if attention_backend(query, key, value, refused) == "triton":
-                return triton_attention(query, key, value, attention_mask, scale), None
+            out = triton_fused_attention(query, key, value, attention_mask, scale, refused)
+            if out is not None:
+                return out, None
             if refused is None:
                 return fused_attention(query, key, value, attention_mask, scale), None
         key, value = key.dense(), value.dense()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.backend import choose_backend
+from ..kernels.backend import choose_backend, requested_backend
 from ..kernels.regions import ExactSegment, QuantizedRegion, StoredCodes, unsupported
 from .quant import packs_tokens
 
-__all__ = ["attention_backend", "kernel_regions", "triton_attention"]
+__all__ = ["kernel_regions", "triton_fused_attention"]
 
 
 def _stored(kv) -> StoredCodes:
@@ -32,29 +32,27 @@ def kernel_regions(key, value) -> tuple[QuantizedRegion, tuple[ExactSegment, ...
     return QuantizedRegion(_stored(key), _stored(value), start=ns), tuple(segments)
 
 
-def attention_backend(query: torch.Tensor, key, value, refused: str | None) -> str:
-    """``"triton"`` or ``"torch"`` for a fused call over ``key``/``value`` (``QuantizedKV``).
+def triton_fused_attention(query: torch.Tensor, key, value, attention_mask: torch.Tensor | None, scaling: float,
+                           refused: str | None) -> torch.Tensor | None:
+    """The fused attention on the Triton kernel (``[B, q, Hq, D]``) when ``HF_ASYMKV_ATTENTION_BACKEND`` and the
+    request say so, else None (the caller then takes the torch implementation).
 
     Args:
-        refused: a feature of the call that no fused path serves (``"sliding_window"``, ...), or None.
+        query: ``[B, Hq, q, D]``; key, value: a layer's :class:`~hf_asymkv.core.attention.QuantizedKV`.
+        refused: a feature of the call that no fused path serves (``"attention with sliding_window"``, ...), or None.
 
     Raises:
         ImportError, ValueError: ``HF_ASYMKV_ATTENTION_BACKEND=triton`` and the kernel cannot serve the call
             (see :func:`hf_asymkv.kernels.backend.choose_backend`), or an unknown backend name.
     """
-    problem = refused
-    if problem is None:
-        region, segments = kernel_regions(key, value)
-        problem = unsupported(query, region, segments)
-    return choose_backend(query.device, problem)
-
-
-def triton_attention(query: torch.Tensor, key, value, attention_mask: torch.Tensor | None, scaling: float
-                     ) -> torch.Tensor:
-    """:func:`~hf_asymkv.core.attention.fused_attention` on the Triton kernel: ``[B, q, Hq, D]``."""
-    from ..kernels.decode import decode_attention  # imports Triton
-
+    if requested_backend() == "torch":
+        return None
     region, segments = kernel_regions(key, value)
+    if choose_backend(query.device, refused or unsupported(query, region, segments)) != "triton":
+        return None
+    from ..kernels import decode  # imports Triton
+
     kv_len = key.shape[2]
     mask = None if attention_mask is None else attention_mask[..., -kv_len:]
-    return decode_attention(query, scaling, quantized=region, exact=segments, attention_mask=mask, kv_len=kv_len)
+    return decode.launch_decode_attention(query, scaling, quantized=region, exact=segments, attention_mask=mask,
+                                          kv_len=kv_len)

@@ -14,7 +14,15 @@ import math
 import torch
 import triton.language as tl
 
-from .regions import ExactSegment, QuantizedRegion, StoredCodes, plane_sets, tile_tokens, unsupported
+from .regions import (
+    MAX_EXACT_SEGMENTS,
+    ExactSegment,
+    QuantizedRegion,
+    StoredCodes,
+    plane_sets,
+    tile_tokens,
+    unsupported,
+)
 from .triton_decode import (
     FP8_E4M3,
     FP8_E5M2,
@@ -29,9 +37,8 @@ from .triton_decode import (
     partial_attention_kernel,
 )
 
-__all__ = ["MAX_EXACT_SEGMENTS", "decode_attention"]
+__all__ = ["decode_attention", "launch_decode_attention"]
 
-MAX_EXACT_SEGMENTS = 2
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
 INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -47,7 +54,8 @@ def decode_attention(query: torch.Tensor, scaling: float, *, quantized: Quantize
         query: ``[B, Hq, q, D]`` (any strides), float16, bfloat16 or float32; ``Hq`` a multiple of the KV heads.
         scaling: the softmax scale (``D ** -0.5`` for most models).
         quantized: the quantized K/V (codes as stored), or None.
-        exact: at most :data:`MAX_EXACT_SEGMENTS` exact K/V segments (empty ones are skipped).
+        exact: at most :data:`~hf_asymkv.kernels.regions.MAX_EXACT_SEGMENTS` exact K/V segments (empty ones are
+            skipped).
         attention_mask: ``[B|1, 1|Hq, q, kv_len]`` bool (True attends) or additive float; each region reads its
             columns ``[start, start + n)`` unless it has its own ``mask``. None: causal, query token ``i`` sees
             columns up to ``kv_len - q + i``.
@@ -55,15 +63,23 @@ def decode_attention(query: torch.Tensor, scaling: float, *, quantized: Quantize
         tiles_per_split: tiles one program reads (default: enough splits to fill the device).
 
     Raises:
-        ValueError: a request the kernel cannot serve (:func:`~hf_asymkv.kernels.regions.unsupported` says what),
-            more than two exact segments, or no key at all.
+        ValueError: a request the kernel cannot serve (:func:`~hf_asymkv.kernels.regions.unsupported` says what,
+            more than two exact segments included), or no key at all.
     """
     segments = tuple(seg for seg in exact if seg.tokens)
     problem = unsupported(query, quantized, segments)
-    if problem is None and len(segments) > MAX_EXACT_SEGMENTS:
-        problem = f"{len(segments)} exact segments (at most {MAX_EXACT_SEGMENTS})"
     if problem is not None:
         raise ValueError(f"the Triton decode attention cannot serve {problem}.")
+    return launch_decode_attention(query, scaling, quantized=quantized, exact=segments, attention_mask=attention_mask,
+                                   kv_len=kv_len, tiles_per_split=tiles_per_split)
+
+
+def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None,
+                            exact: tuple[ExactSegment, ...], attention_mask: torch.Tensor | None = None,
+                            kv_len: int | None = None, tiles_per_split: int | None = None) -> torch.Tensor:
+    """:func:`decode_attention` for a request :func:`~hf_asymkv.kernels.regions.unsupported` has passed already
+    (the core's glue checks once per call, to choose the backend): no second check on the decode step's path."""
+    segments = tuple(seg for seg in exact if seg.tokens)
     regions = ([quantized] if quantized is not None and quantized.tokens else []) + list(segments)
     if not regions:
         raise ValueError("decode_attention needs at least one key (the quantized region and segments are empty).")
@@ -83,7 +99,7 @@ def decode_attention(query: torch.Tensor, scaling: float, *, quantized: Quantize
     num_warps = 4 if d_pad * r_pad <= 4096 else 8
     has_quant = bool(regions) and regions[0] is quantized
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
-    exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))
+    exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
     quant_args, constants = _quant_args(quantized if has_quant else None, attention_mask, q_len, hq, query)
     partial_attention_kernel[(b * heads, n_splits)](
         query, *query.stride(), acc, m, l_,

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "MAX_HEAD_DIM", "MAX_QUERY_ROWS", "MIN_TILE", "ExactSegment", "QuantizedRegion",
+__all__ = ["LAYOUTS", "MAX_EXACT_SEGMENTS", "MAX_HEAD_DIM", "MAX_QUERY_ROWS", "MIN_TILE", "ExactSegment", "QuantizedRegion",
            "StoredCodes", "plane_sets", "tile_tokens", "unsupported"]
 
 LAYOUTS = ("tokens", "head_dim")
 """How sub-byte codes are packed: along tokens, block by block (what the cache stores), or along head_dim."""
 MAX_HEAD_DIM = 256
+MAX_EXACT_SEGMENTS = 2
+"""Exact segments one call takes (one kernel launch reads them all beside the quantized region)."""
 MAX_QUERY_ROWS = 128
 """Query rows one program holds: query heads per KV head x query tokens (GQA 8 x 16 tokens)."""
 MIN_TILE = 16
@@ -164,6 +166,8 @@ def unsupported(query: torch.Tensor, region: QuantizedRegion | None, segments: t
         return f"{hq} query heads over {kv_heads} KV heads"
     if hq // kv_heads * q_len > MAX_QUERY_ROWS:
         return f"{hq // kv_heads} query heads per KV head x {q_len} query tokens (at most {MAX_QUERY_ROWS} rows)"
+    if len(segments) > MAX_EXACT_SEGMENTS:
+        return f"{len(segments)} exact segments (at most {MAX_EXACT_SEGMENTS})"
     for seg in segments:
         if seg.keys.shape != seg.values.shape or seg.keys.shape[-1] != head_dim:
             return f"exact K/V of shapes {tuple(seg.keys.shape)} and {tuple(seg.values.shape)}"

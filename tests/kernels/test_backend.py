@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_asymkv.core.attention as attention_mod
 from hf_asymkv.core.attention import asymkv_sdpa_attention, fused_attention
 from hf_asymkv.core.backend import kernel_regions
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.presets import PRESETS
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
-from hf_asymkv.kernels import backend
+from hf_asymkv.kernels import backend, decode
 from hf_asymkv.kernels.decode import decode_attention
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes, unsupported
 
@@ -86,8 +85,8 @@ def test_auto_takes_triton_on_cuda_when_served(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ the attention
 def test_forced_triton_serves_the_attention(monkeypatch):
-    calls, original = [], attention_mod.triton_attention
-    monkeypatch.setattr(attention_mod, "triton_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    calls, original = [], decode.launch_decode_attention
+    monkeypatch.setattr(decode, "launch_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     monkeypatch.setenv(ENV, "triton")
     key, value, query = _layer_kv(q_len=3)
     got, _ = asymkv_sdpa_attention(_Module(), query, key, value, None, scaling=0.125)
