@@ -45,7 +45,8 @@ def triton_fused_attention(query: torch.Tensor, key, value, attention_mask: torc
         ImportError, ValueError: ``HF_ASYMKV_ATTENTION_BACKEND=triton`` and the kernel cannot serve the call
             (see :func:`hf_asymkv.kernels.backend.choose_backend`), or an unknown backend name.
     """
-    if requested_backend() == "torch":
+    backend = requested_backend()
+    if backend == "torch" or backend == "auto" and query.device.type != "cuda":  # the default CPU path stays as cheap
         return None
     region, segments = kernel_regions(key, value)
     if choose_backend(query.device, refused or unsupported(query, region, segments)) != "triton":

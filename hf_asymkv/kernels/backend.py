@@ -70,11 +70,11 @@ def choose_backend(device: torch.device, request_problem: str | None) -> str:
             unknown backend name.
     """
     backend = requested_backend()
-    if backend == "torch":
+    if backend == "torch" or backend == "auto" and device.type != "cuda":
         return "torch"
     problem = triton_problem(device) or request_problem
     if backend == "auto":
-        return "triton" if device.type == "cuda" and problem is None else "torch"
+        return "triton" if problem is None else "torch"
     if problem is not None:
         error = ImportError if triton_version() is None else ValueError
         raise error(f"{ENV_VAR}=triton cannot serve this attention call: {problem}. Unset it (or set 'auto') to "

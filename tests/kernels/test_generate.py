@@ -64,3 +64,20 @@ def test_presets_greedy_matches_dense(llama, fused_llama, prompt, preset, triton
 
     assert torch.equal(run(fused_llama), run(llama))
     assert triton_calls
+
+
+@pytest.mark.parametrize("name", ["hybrid", "shared_kv"])
+def test_other_tiny_models_greedy_matches_dense(request, name, prompt, triton_calls):
+    """Gemma3 (sliding-window layers stay dense and take SDPA) and Gemma4 (KV-sharing layers read another layer's
+    codes, head_dim 32 on the full-attention layers)."""
+    model = request.getfixturevalue(name)
+    register_attention()
+    fused = copy.deepcopy(model)
+    fused.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def run(m):
+        cache = AsymKVCache(m.config, residual_length=8, key_block_size=32)
+        return m.generate(prompt, **cache_kwargs(cache), max_new_tokens=10, do_sample=False)
+
+    assert torch.equal(run(fused), run(model))
+    assert triton_calls
