@@ -7,6 +7,10 @@ outlier channel) and values, at the model's first layer's shapes.
 
 from __future__ import annotations
 
+import contextlib
+import traceback
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -83,11 +87,23 @@ def attention_rows(model, presets: list[str], batch: int, context: int, iters: i
             sdpa = lambda: F.scaled_dot_product_attention(query, dense_k, dense_v, scale=scale, enable_gqa=True)  # noqa: E731
             rows.append({"impl": "sdpa-bf16", "batch": batch, "context": context,
                          "bytes": 2 * dense_k.numel() * dense_k.element_size(), **_time_call(sdpa, iters, model.device)})
-        with attention_backend_env("triton"):
-            ours = lambda: triton_fused_attention(query, key, value, None, scale, None)  # noqa: E731
-            rows.append({"impl": f"triton-{preset}", "batch": batch, "context": context,
-                         "bytes": read_bytes(key) + read_bytes(value), **_time_call(ours, iters, model.device)})
+        ours = lambda: triton_fused_attention(query, key, value, None, scale, None)  # noqa: E731
+        row = {"impl": f"triton-{preset}", "batch": batch, "context": context, "bytes": read_bytes(key) + read_bytes(value)}
+        with attention_backend_env("triton"), _failures_recorded(row):
+            row.update(_time_call(ours, iters, model.device))
+        rows.append(row)
     return rows
+
+
+@contextlib.contextmanager
+def _failures_recorded(row: dict) -> Iterator[None]:
+    """Record an exception as ``row["status"]`` (traceback on stderr) instead of raising: on a borrowed GPU, one
+    failing kernel variant must not cost the other figures of the run."""
+    try:
+        yield
+    except Exception as exc:
+        traceback.print_exc()
+        row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
 
 
 @torch.no_grad()
@@ -104,8 +120,9 @@ def kernel_check_rows(model, presets: list[str], batch: int, context: int) -> li
                 mask = mask[None, None].repeat(batch, 1, 1, 1)
                 mask[1:, :, :, :7] = False
                 want = fused_attention(query, key, value, mask, query.shape[-1] ** -0.5)
-                with attention_backend_env("triton"):
+                row = {"preset": preset, "dtype": str(dtype).replace("torch.", ""), "q_len": q_len, "sqnr_db": None}
+                with attention_backend_env("triton"), _failures_recorded(row):
                     got = triton_fused_attention(query, key, value, mask, query.shape[-1] ** -0.5, None)
-                rows.append({"preset": preset, "dtype": str(dtype).replace("torch.", ""), "q_len": q_len,
-                             "sqnr_db": sqnr_db(want, got)})
+                    row["sqnr_db"] = sqnr_db(want, got)
+                rows.append(row)
     return rows

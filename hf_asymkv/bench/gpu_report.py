@@ -43,6 +43,9 @@ def attention_table(rows: list[dict], bandwidth: float) -> list[dict]:
     out = []
     for r in rows:
         r = dict(r)
+        if "status" in r:  # failed: nothing to derive
+            out.append(r)
+            continue
         r["us"] = r["graph_us"] if r.get("graph_us") is not None else r["eager_us"]
         r["ceiling_us"] = r["bytes"] / bandwidth * 1e6
         r["bandwidth_fraction"] = r["ceiling_us"] / r["us"]
@@ -131,11 +134,13 @@ def markdown_report(meta: dict, update_cost: list[dict], checks: list[dict], att
     out += [f"| {u['preset']} | {u['step']} | {u['launches']} | {u['syncs']} |" for u in update_cost]
     out += ["", "## Kernel vs torch fused attention (same codes)", "", "| preset | dtype | q | SQNR dB |",
             "|---|---|---:|---:|"]
-    out += [f"| {c['preset']} | {c['dtype']} | {c['q_len']} | {c['sqnr_db']:.1f} |" for c in checks]
+    out += [f"| {c['preset']} | {c['dtype']} | {c['q_len']} | {c.get('status') or _fmt(c['sqnr_db'], '.1f')} |"
+            for c in checks]
     out += ["", "## Attention alone (one layer, one query token)", "",
             "| impl | batch | context | us (graph) | us (eager) | ceiling us | x ceiling | x SDPA (ceiling) | MiB read |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    out += [f"| {r['impl']} | {r['batch']} | {r['context']} | {_fmt(r.get('graph_us'), '.1f')} | {r['eager_us']:.1f} | "
+    out += [f"| {r['impl']} | {r['batch']} | {r['context']} | {r['status']} ||||||" if "status" in r else
+            f"| {r['impl']} | {r['batch']} | {r['context']} | {_fmt(r.get('graph_us'), '.1f')} | {r['eager_us']:.1f} | "
             f"{r['ceiling_us']:.1f} | {r['bandwidth_fraction']:.2f} | {_fmt(r.get('x_sdpa'))} "
             f"({_fmt(r.get('ceiling_x_sdpa'))}) | {r['bytes'] / 2**20:.1f} |" for r in attention]
     out += ["", "## Whole-model decode", "", decode_table(decode), "", "## Longest context in the memory budget", "",

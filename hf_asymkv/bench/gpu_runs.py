@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import os
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -56,7 +57,7 @@ def build_model(shapes: ModelShapes, dtype: torch.dtype, device: torch.device):
                          intermediate_size=shapes.intermediate, vocab_size=shapes.vocab, max_position_embeddings=262144,
                          rope_theta=500000.0, tie_word_embeddings=False)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, torch_dtype=dtype)
+        model = LlamaForCausalLM(config).to(dtype)
     return model.eval().requires_grad_(False)
 
 
@@ -107,9 +108,16 @@ def attention_backend_env(value: str | None) -> Iterator[None]:
             os.environ[ENV_VAR] = before
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
 def _make_cache(name: str, model, max_tokens: int):
     scheme = GPU_SCHEMES[name]
-    if scheme.needs and importlib.util.find_spec(scheme.needs.split(".")[0]) is None:
+    if scheme.needs and not _importable(scheme.needs):
         raise SchemeUnavailable(f"{scheme.needs} is not installed")
     if name == "hf-hqq-int4":
         from transformers.cache_utils import QuantizedCache
@@ -192,6 +200,10 @@ def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: i
         return row
     except torch.OutOfMemoryError:
         row.status = "out of memory"
+        return row
+    except Exception as exc:  # one failing scheme must not cost the others' figures on a borrowed GPU
+        traceback.print_exc()
+        row.status = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
         return row
     row.prefill_ms, row.decode_ms = prefill_s * 1e3, decode_s * 1e3 / steps
     row.kv_bytes = cache_nbytes(cache)
