@@ -80,7 +80,8 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     """:func:`decode_attention` for a request :func:`~hf_asymkv.kernels.regions.unsupported` has passed already
     (the core's glue checks once per call, to choose the backend): no second check on the decode step's path."""
     segments = tuple(seg for seg in exact if seg.tokens)
-    regions = ([quantized] if quantized is not None and quantized.tokens else []) + list(segments)
+    quantized = quantized if quantized is not None and quantized.tokens else None
+    regions = ([quantized] if quantized is not None else []) + list(segments)
     if not regions:
         raise ValueError("decode_attention needs at least one key (the quantized region and segments are empty).")
     b, hq, q_len, head_dim = query.shape
@@ -97,10 +98,10 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
     d_pad, r_pad = _pow2(head_dim), _pow2(rows)
     num_warps = 4 if d_pad * r_pad <= 4096 else 8
-    has_quant = bool(regions) and regions[0] is quantized
+    has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
-    quant_args, constants = _quant_args(quantized if has_quant else None, attention_mask, q_len, hq, query)
+    quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query)
     partial_attention_kernel[(b * heads, n_splits)](
         query, *query.stride(), acc, m, l_,
         *quant_args, splits[0] if has_quant else 0,

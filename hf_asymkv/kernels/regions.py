@@ -157,6 +157,7 @@ def unsupported(query: torch.Tensor, region: QuantizedRegion | None, segments: t
         region, segments: what :func:`hf_asymkv.kernels.decode.decode_attention` would get.
     """
     b, hq, q_len, head_dim = query.shape
+    region = region if region is not None and region.tokens else None  # an empty region is no region
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"a query of dtype {query.dtype}"
     if head_dim > MAX_HEAD_DIM or head_dim < 1:

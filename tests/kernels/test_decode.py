@@ -12,7 +12,7 @@ from kernel_cases import PAD, build, formats, padded_causal_mask, reference, spe
 
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
 from hf_asymkv.kernels.decode import decode_attention
-from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion
+from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
 FLOAT32_DB = 60.0
 HALF_DB = {torch.bfloat16: 40.0, torch.float16: 55.0}
@@ -149,6 +149,18 @@ def test_mask_kinds(kind):
         mask = None
     out = decode_attention(query, 0.125, quantized=region, exact=segments, attention_mask=mask)
     assert sqnr_db(reference(query, k, v, mask, 0.125), out) >= FLOAT32_DB
+
+
+def test_an_empty_quantized_region_is_skipped():
+    region, segments, k, v, query = _balanced_case()
+    keys, values = region.keys, region.values
+    empty = QuantizedRegion(StoredCodes(keys.codes[:, :, :0], keys.scale[:, :, :0], None, 8, True),
+                            StoredCodes(values.codes[:, :, :0], values.scale[:, :, :0], values.zero[:, :, :0], 4,
+                                        False, "tokens", 128, rotated=True), start=4)
+    tail = ExactSegment(segments[1].keys, segments[1].values, 4)
+    k, v = torch.cat([k[:, :, :4], k[:, :, -37:]], 2), torch.cat([v[:, :, :4], v[:, :, -37:]], 2)
+    out = decode_attention(query, 0.125, quantized=empty, exact=(segments[0], tail))
+    assert sqnr_db(reference(query, k, v, None, 0.125), out) >= FLOAT32_DB
 
 
 def test_rows_that_see_nothing_are_zero():
