@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .backend import triton_fused_attention
 from .kv_view import QuantizedKV, SinkOverlayView, write_rows
 from .quant import decode_codes
 from .rotation import rotate, unrotate
@@ -168,13 +169,27 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     return out.view(b, h, n_rep, q_len, dv).reshape(b, hq, q_len, dv).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def _refused(module, key: QuantizedKV, dropout: float, kwargs: dict) -> str | None:
+    """A feature of the call that neither fused backend serves (such calls decode densely), or None."""
+    for name in ("sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            return f"attention with {name}"
+    if dropout > 0 and module.training:
+        return f"dropout {dropout} in training"
+    if not _foldable(key, key.tail.shape[-1]):
+        return f"keys with one scale per {key.spec.granularity!r} group (not per block)"
+    return None
+
+
 def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           is_causal=None, **kwargs):
     """transformers attention function (``AttentionInterface``) for ``attn_implementation="asymkv_sdpa"``.
 
     Dense K/V (layers that are not quantized, or nothing quantized yet) go to transformers' SDPA unchanged;
-    :class:`~hf_asymkv.core.kv_view.QuantizedKV` goes through :func:`fused_attention` when it can be folded and the query has at most
-    :data:`FUSED_MAX_QUERY_TOKENS` tokens, else is decoded densely.
+    :class:`~hf_asymkv.core.kv_view.QuantizedKV` goes through the fused attention when it can be folded and the query has at most
+    :data:`FUSED_MAX_QUERY_TOKENS` tokens, else is decoded densely. The fused attention runs on the backend
+    ``HF_ASYMKV_ATTENTION_BACKEND`` picks (:func:`~hf_asymkv.core.backend.triton_fused_attention`): the Triton
+    kernel (CUDA tensors, by default) or :func:`fused_attention`.
     Returns ``(attn_output [B, q, Hq, D], None)`` like the SDPA path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -185,13 +200,14 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support `softcap` (neither does `sdpa`); load the "
                          "model with attn_implementation='eager' for soft-capped attention.")
     if isinstance(key, QuantizedKV):
-        d = key.tail.shape[-1]
-        unsupported = (kwargs.get("sliding_window") is not None
-                       or kwargs.get("s_aux") is not None or (dropout > 0 and module.training)
-                       or not _foldable(key, d) or query.shape[2] > FUSED_MAX_QUERY_TOKENS)
-        if key.n_quantized and not unsupported:
-            scale = scaling if scaling is not None else d**-0.5
-            return fused_attention(query, key, value, attention_mask, scale), None
+        if key.n_quantized and query.shape[2] <= FUSED_MAX_QUERY_TOKENS:
+            refused = _refused(module, key, dropout, kwargs)
+            scale = scaling if scaling is not None else key.tail.shape[-1] ** -0.5
+            out = triton_fused_attention(query, key, value, attention_mask, scale, refused)
+            if out is not None:
+                return out, None
+            if refused is None:
+                return fused_attention(query, key, value, attention_mask, scale), None
         key, value = key.dense(), value.dense()
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)

@@ -12,9 +12,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_asymkv"
 CORE = PACKAGE / "core"
-# What the core may import from the package besides itself: the version string.
-CORE_ALLOWED = ("hf_asymkv.core", "hf_asymkv.version")
-TOOLING_THIRD_PARTY = ("matplotlib", "datasets", "safetensors.torch", "accelerate")
+KERNELS = PACKAGE / "kernels"
+# What the core may import from the package besides itself: the version string and the kernels (the ground floor
+# below the core: they import nothing else from the package).
+CORE_ALLOWED = ("hf_asymkv.core", "hf_asymkv.version", "hf_asymkv.kernels")
+TOOLING_THIRD_PARTY = ("matplotlib", "datasets", "safetensors.torch", "accelerate", "triton")
 IMPORT_SECONDS = 1.0  # our own import time on top of torch + transformers (measured: ~0.02 s)
 
 
@@ -55,6 +57,16 @@ def test_core_imports_no_tool(path):
     bad = [(target, line) for target, _, line in _imports(path)
            if target.startswith("hf_asymkv") and not target.startswith(CORE_ALLOWED)]
     assert not bad, f"{path.relative_to(PACKAGE.parent)} imports tooling: {bad}"
+
+
+KERNEL_FILES = sorted(KERNELS.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=[p.name for p in KERNEL_FILES])
+def test_kernels_import_nothing_else_from_the_package(path):
+    bad = [(target, line) for target, _, line in _imports(path)
+           if target.startswith("hf_asymkv") and not target.startswith("hf_asymkv.kernels")]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports from the package: {bad}"
 
 
 @pytest.mark.parametrize("path", PACKAGE_FILES, ids=[str(p.relative_to(PACKAGE)) for p in PACKAGE_FILES])
