@@ -17,12 +17,13 @@ under a shard name so that the added scales can sit in their own file)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..core.fileio import usual_mode, write_folder_atomically
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
@@ -41,20 +42,14 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-def _header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes, offsets), without reading the tensors."""
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """``{tensor name: bytes}`` of a safetensors file, from its header (``get_slice``: no tensor is read)."""
     try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError) as exc:
+        with safe_open(str(path), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: math.prod(s.get_shape()) * _DTYPE_BYTES[s.get_dtype()] for name, s in slices.items()}
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{path}: not a readable safetensors file (truncated or foreign?): {exc}") from None
-    header.pop("__metadata__", None)
-    return header
-
-
-def _tensor_bytes(header: dict) -> int:
-    return sum(end - begin for begin, end in (entry["data_offsets"] for entry in header.values()))
 
 
 def _weight_files(model_dir: Path) -> dict[str, list[str]]:
@@ -74,7 +69,7 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
         return shards
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return {single.name: list(_header(single))}
+        return {single.name: list(_tensor_bytes(single))}
     raise ValueError(f"{model_dir}: no model.safetensors or {INDEX}; export-vllm --model needs a safetensors "
                      "checkpoint (convert .bin weights with save_pretrained(..., safe_serialization=True))")
 
@@ -166,7 +161,7 @@ def _write_weights(tmp: Path, model_dir: Path, shards: dict[str, list[str]], ten
     os.chmod(tmp / SCALES_SHARD, usual_mode())  # the writer may create it 0600
     weight_map = {n: renamed[s] for s, names in shards.items() for n in names}
     weight_map.update({n: SCALES_SHARD for n in tensors})
-    total = sum(_tensor_bytes(_header(tmp / name)) for name in [*(renamed[s] for s in shards), SCALES_SHARD])
+    total = sum(sum(_tensor_bytes(tmp / name).values()) for name in [*(renamed[s] for s in shards), SCALES_SHARD])
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return how

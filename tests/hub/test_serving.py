@@ -212,6 +212,7 @@ def _other(**changes):
     ("other-quant", r"has a 'gptq' quantization_config"),
     ("ct-rejects", "compressed-tensors rejects the quantization_config"),
     ("no-weights", r"no model.safetensors or model.safetensors.index.json"),
+    ("corrupt-weights", r"model.safetensors: not a readable safetensors file"),
     ("no-config", r"not a checkpoint folder \(no config.json\)"),
     ("strategy", r"strategy must be one of \['tensor', 'attn_head'\], got 'channel'"),
     ("tp-size", "tp_size must be a positive integer, got 0"),
@@ -245,6 +246,8 @@ def test_refusals_name_the_problem(tmp_path, case, message):
         (ckpt / "config.json").write_text(json.dumps(config))
     elif case == "no-weights":
         (ckpt / "model.safetensors").rename(ckpt / "pytorch_model.bin")
+    elif case == "corrupt-weights":
+        (ckpt / "model.safetensors").write_bytes(b"\x00" * 10)
     elif case == "no-config":
         (ckpt / "config.json").unlink()
     elif case == "strategy":
