@@ -167,8 +167,10 @@ class StaticTensorStore:
             nbytes = 0 if buf is None else buf.numel() * buf.element_size()
             out[name] += nbytes
             out["unused_capacity"] += nbytes - nbytes * live // capacity if capacity else 0
-        if self.overlay.tokens is not None:
-            out[f"padded_sink_{self.kind}s"] += self.overlay.tokens.numel() * self.overlay.tokens.element_size()
+        if self.overlay.tokens is not None:  # preallocated for left-padded rows: unused while no row is padded
+            nbytes = self.overlay.tokens.numel() * self.overlay.tokens.element_size()
+            out[f"padded_sink_{self.kind}s"] += nbytes
+            out["unused_capacity"] += 0 if bool(self.overlay.anchors.any()) else nbytes
         return out
 
 
