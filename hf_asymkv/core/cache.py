@@ -279,7 +279,8 @@ class AsymKVCache(Cache):
                 README's "Presets").
             config: the model config (``model.config``).
             **overrides: ``AsymKVConfig`` settings, ``scales=`` or ``key_absmax=`` (calibrated key ranges apply to
-                symmetric per-channel keys only; ``compact`` and ``max`` refuse them).
+                symmetric per-channel keys only; ``compact`` and ``max`` refuse them), ``max_cache_len=`` (a static,
+                compileable cache: see the class).
 
         Raises:
             ValueError: an unknown preset (the message lists the valid names) or an invalid override.
@@ -287,6 +288,7 @@ class AsymKVCache(Cache):
         Example::
 
             cache = AsymKVCache.from_preset("compact", model.config)
+            static = AsymKVCache.from_preset("compact", model.config, max_cache_len=4096)  # for torch.compile
         """
         from .presets import preset_config
 
