@@ -4,9 +4,10 @@ A random-weight LlamaForCausalLM with Llama-3-8B's shapes (32 query heads, 8 KV 
 4096, MLP 14336, vocab 128256) and 4 of its layers, in bf16. It checks the kernel against the torch fused
 attention (SQNR), times the attention alone against SDPA over bf16 K/V, then times whole-model decode at batch 1
 (8k, 32k, 128k) and batch 8 at 32k for DynamicCache + SDPA, transformers' QuantizedCache (where quanto or HQQ
-imports), our dense read-out and our Triton path (balanced, compact, max), each beside its physical ceiling
-(weights + KV bytes over the bandwidth), with peak memory, prefill time and the longest context each fits in a
-memory budget. Writes results/gpu/gpu_check.{md,json}. About 5 minutes on one H200.
+imports), our dense read-out, our Triton path (balanced, compact, max), and the static caches with the decode
+step under ``torch.compile`` (ours, ``AsymKVCache(max_cache_len=...)``, beside transformers' StaticCache), each
+beside its physical ceiling (weights + KV bytes over the bandwidth), with peak memory, prefill time and the longest
+context each fits in a memory budget. Writes results/gpu/gpu_check.{md,json}. About 5 minutes on one H200.
 
 On the GPU machine (torch, triton and transformers installed):
 

@@ -18,14 +18,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..core.cache import AsymKVCache
 from ..core.compat import cache_kwargs
 from ..kernels.backend import ENV_VAR
 from .memory import cache_nbytes
 from .schemes import make_cache, scheme_attention
 
 __all__ = ["DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
-           "attention_backend_env", "build_model", "decode_row", "timed_seconds", "weight_bytes"]
+           "attention_backend_env", "build_model", "compiled_forward", "decode_row", "timed_seconds", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -88,8 +87,11 @@ GPU_SCHEMES: dict[str, GPUScheme] = {
     "balanced-triton": GPUScheme("ours, balanced, Triton kernel over the codes", "asymkv-balanced-fused", "triton"),
     "compact-triton": GPUScheme("ours, compact, Triton kernel over the codes", "asymkv-compact-fused", "triton"),
     "max-triton": GPUScheme("ours, max, Triton kernel over the codes", "asymkv-max-fused", "triton"),
-    # issue 20: a preallocated AsymKVCache(max_cache_len=...) under torch.compile; skipped until it exists
-    "balanced-static-compiled": GPUScheme("ours, balanced, static cache, torch.compile", None, compiled=True),
+    # issue 20: the preallocated AsymKVCache(max_cache_len=...) and transformers' StaticCache, decode step compiled
+    "balanced-static-compiled": GPUScheme("ours, balanced, static cache, torch.compile",
+                                          "asymkv-balanced-static-compiled", compiled=True),
+    "hf-static-compiled": GPUScheme("transformers StaticCache (bf16 K/V), torch.compile", "hf-static-compiled",
+                                    compiled=True),
 }
 
 
@@ -123,12 +125,16 @@ def _make_cache(name: str, model, max_tokens: int):
         from transformers.cache_utils import QuantizedCache
 
         return QuantizedCache("hqq", model.config, nbits=4)
-    if scheme.compiled:
-        try:
-            return AsymKVCache.from_preset("balanced", model.config, max_cache_len=max_tokens)
-        except (TypeError, ValueError):
-            raise SchemeUnavailable("no static AsymKVCache(max_cache_len=...) here yet (issue 20)") from None
-    return make_cache(scheme.bench_scheme, model.config)
+    return make_cache(scheme.bench_scheme, model.config, max_cache_len=max_tokens if scheme.compiled else None)
+
+
+def compiled_forward(model) -> Callable:
+    """``torch.compile(model.forward, fullgraph=True, dynamic=False)`` with a clean compile cache (each (batch,
+    context) is new shapes: one graph per row, no recompile limit reached over the rows); inductor on a GPU, the
+    eager backend on CPU (the dry run checks that the step traces as one graph, not what inductor makes of it)."""
+    torch._dynamo.reset()
+    backend = "inductor" if model.device.type == "cuda" else "eager"
+    return torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -182,7 +188,7 @@ def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: i
     try:
         with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend):
             cache = _make_cache(name, model, context + warmup + steps + 1)
-            forward = torch.compile(model.forward, fullgraph=True, dynamic=False) if scheme.compiled else model
+            forward = compiled_forward(model) if scheme.compiled else model
             prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),
                                            device)
             token = out.logits[:, -1:].argmax(-1)

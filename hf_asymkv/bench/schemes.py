@@ -5,6 +5,10 @@ precision), ``hf-quanto-int4``/``hf-quanto-int2`` (`QuantizedCache` with optimum
 history at every flush) and ``hf-fp8`` (`QuantizedCache` fp8, one per-tensor scale frozen at prefill). The
 presets (``hf_asymkv.PRESETS``) are ``asymkv-<preset name>``; the peers' formats (vLLM, llama.cpp, KIVI),
 emulated in :mod:`.peers`, are registered under their names.
+
+Static caches (preallocated for a length, issue 20) are in :data:`STATIC_SCHEMES`, apart: their factory needs the
+length (``make_cache(name, config, max_cache_len=N)``), and the ``-compiled`` ones run the decode step through
+``torch.compile`` (:func:`scheme_forward`); only ``hf-asymkv bench`` offers them.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ if TYPE_CHECKING:  # torch, transformers and the core load inside the factories:
 
     from ..core.cache import AsymKVCache
 
-__all__ = ["ATTENTION", "PEER_SCHEMES", "PRESET_NAMES", "SCHEMES", "check_scheme", "make_cache", "scheme_attention",
-           "scheme_names", "with_baseline"]
+__all__ = ["ATTENTION", "COMPILED", "PEER_SCHEMES", "PRESET_NAMES", "SCHEMES", "STATIC_SCHEMES", "check_scheme",
+           "make_cache", "scheme_attention", "scheme_forward", "scheme_names", "with_baseline"]
 
 Factory = Callable[["PreTrainedConfig"], "Cache"]
+StaticFactory = Callable[["PreTrainedConfig", int], "Cache"]
 
 
 def _dynamic(config: PreTrainedConfig) -> Cache:
@@ -148,6 +153,34 @@ def _peer(name: str) -> Factory:
 SCHEMES.update({name: (f"peer: {label} (emulated, see bench/peers.py)", _peer(name))
                 for name, label in PEER_SCHEMES.items()})
 
+
+
+def _static_preset(name: str) -> StaticFactory:
+    def build(config: PreTrainedConfig, max_cache_len: int) -> AsymKVCache:
+        from ..core.cache import AsymKVCache
+
+        return AsymKVCache.from_preset(name, config, max_cache_len=max_cache_len)
+    return build
+
+
+def _hf_static(config: PreTrainedConfig, max_cache_len: int) -> Cache:
+    from transformers.cache_utils import StaticCache
+
+    return StaticCache(config=config, max_cache_len=max_cache_len)
+
+
+STATIC_SCHEMES: dict[str, tuple[str, StaticFactory]] = {
+    "hf-static": ("transformers StaticCache (full precision, preallocated), eager", _hf_static),
+    "hf-static-compiled": ("transformers StaticCache, decode step under torch.compile", _hf_static),
+}
+for _name in PRESET_NAMES:
+    STATIC_SCHEMES[f"asymkv-{_name}-static"] = (f"ours, preset {_name!r}, static (max_cache_len), eager",
+                                                _static_preset(_name))
+    STATIC_SCHEMES[f"asymkv-{_name}-static-compiled"] = (
+        f"ours, preset {_name!r}, static (max_cache_len), decode step under torch.compile", _static_preset(_name))
+COMPILED = frozenset(name for name in STATIC_SCHEMES if name.endswith("-compiled"))
+"""Static schemes whose decode step runs ``torch.compile(model.forward, fullgraph=True, dynamic=False)``."""
+
 # Schemes that need the model's attention implementation switched while they run.
 ATTENTION = {name: "asymkv_sdpa" for name in SCHEMES if name.endswith("-fused")}
 """hf_asymkv.core.attention.ATTN_IMPLEMENTATION (a test holds them equal)"""
@@ -177,19 +210,42 @@ def with_baseline(schemes: list[str]) -> list[str]:
     return ["dynamic"] + [s for s in schemes if s != "dynamic"]
 
 
-def scheme_names() -> list[str]:
-    """Every scheme name, in the order of :data:`SCHEMES`."""
-    return list(SCHEMES)
+def scheme_names(static: bool = False) -> list[str]:
+    """Every scheme name, in the order of :data:`SCHEMES`, then (with ``static``) :data:`STATIC_SCHEMES`."""
+    return list(SCHEMES) + (list(STATIC_SCHEMES) if static else [])
 
 
-def make_cache(name: str, config: PreTrainedConfig) -> Cache:
-    """Build the cache called ``name`` for ``config``.
+def make_cache(name: str, config: PreTrainedConfig, max_cache_len: int | None = None) -> Cache:
+    """Build the cache called ``name`` for ``config``; a static scheme's for ``max_cache_len`` tokens.
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
+        ValueError: unknown name (the message lists the known ones), or a static scheme without ``max_cache_len``.
     """
+    if name in STATIC_SCHEMES:
+        if max_cache_len is None:
+            raise ValueError(f"scheme {name!r} is a static cache: give max_cache_len (the tokens it must hold).")
+        return STATIC_SCHEMES[name][1](config, max_cache_len)
     check_scheme(name)
     return SCHEMES[name][1](config)
+
+
+_COMPILED_FORWARDS: dict[tuple[int, str], Callable] = {}
+
+
+def scheme_forward(model, name: str, backend: str = "inductor") -> Callable:
+    """What runs scheme ``name``'s decode steps: ``model`` itself, or for a :data:`COMPILED` scheme
+    ``torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)``, made once per model and
+    backend (it compiles at its first call: run one untimed step first)."""
+    if name not in COMPILED:
+        return model
+    key = (id(model), backend)
+    if key not in _COMPILED_FORWARDS:
+        import torch
+
+        # the compiled forward holds the model, so its id stays its own while it is here; one model at a time
+        _COMPILED_FORWARDS.clear()
+        _COMPILED_FORWARDS[key] = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
+    return _COMPILED_FORWARDS[key]
 
 
 def check_scheme(name: str) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ..core.compat import cache_kwargs
 from .memory import cache_nbytes
-from .schemes import make_cache, scheme_attention, with_baseline
+from .schemes import COMPILED, make_cache, scheme_attention, scheme_forward, with_baseline
 
 __all__ = ["PeakRSS", "SpeedRow", "format_speed_table", "measure_decode_speed", "plot_speed"]
 
@@ -105,19 +105,24 @@ class _Run:
 
 
 @torch.no_grad()
-def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int) -> _Run:
-    """Fresh cache, timed prefill, one untimed warm-up step, ``new_tokens`` timed single-token steps."""
+def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int, backend: str = "inductor",
+              room: int | None = None) -> _Run:
+    """Fresh cache, timed prefill, one untimed warm-up step, ``new_tokens`` timed single-token steps (through the
+    compiled forward for a compiled scheme; the prefill is always eager, as ``generate`` runs it). A static cache is
+    sized for the prompt, the warm-up step and ``room`` steps (default ``new_tokens``): a warm-up run gives the
+    timed runs' ``room`` so that it compiles their shapes."""
     with scheme_attention(model, name), PeakRSS() as rss:
-        cache = make_cache(name, model.config)
+        cache = make_cache(name, model.config, max_cache_len=ids.shape[1] + 1 + (room or new_tokens))
+        forward = scheme_forward(model, name, backend)
         start = time.perf_counter()
         out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - start
         token = out.logits[:, -1:].argmax(-1)
-        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
+        token = forward(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         steps = []
         for _ in range(new_tokens):
             start = time.perf_counter()
-            out = model(input_ids=token, **cache_kwargs(cache), use_cache=True)
+            out = forward(input_ids=token, **cache_kwargs(cache), use_cache=True)
             steps.append(time.perf_counter() - start)
             token = out.logits[:, -1:].argmax(-1)
         kv = cache_nbytes(cache)
@@ -125,7 +130,7 @@ def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int) -> _Run:
 
 
 def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_tokens: int = 32, repeats: int = 3,
-                         seed: int = 0, progress=None) -> list[SpeedRow]:
+                         seed: int = 0, progress=None, compile_backend: str = "inductor") -> list[SpeedRow]:
     """Prefill seconds, decode ms/token, KV bytes and peak RSS per scheme for each context length.
 
     After one untimed warm-up run per length, each repeat runs every scheme in turn (``dynamic`` first) on the
@@ -135,10 +140,12 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
 
     Args:
         model: a causal LM (its attention is switched for schemes that need it, then restored).
-        schemes: names from :mod:`hf_asymkv.bench.schemes`.
+        schemes: names from :mod:`hf_asymkv.bench.schemes` (static ones too: each is built for the prompt and
+            every decode step; compiled ones compile in the untimed warm-up).
         lengths: context lengths (prefill tokens).
         new_tokens: timed decode steps per repeat.
         progress: optional ``callable(str)`` told what runs next.
+        compile_backend: ``torch.compile``'s backend for the compiled schemes (tests use ``"eager"``: fast).
     """
     schemes = with_baseline(schemes)
     gen = torch.Generator().manual_seed(seed)
@@ -150,12 +157,14 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
         # otherwise land on whichever scheme happens to run first, in time and in RSS.
         if progress:
             progress(f"context {length}: warm-up (untimed)")
-        _run_once(model, schemes[0], ids, 1)
+        # Compiled schemes compile here, at the first step of each length (dynamic=False: one graph per shape).
+        for name in [schemes[0], *(s for s in schemes if s in COMPILED)]:
+            _run_once(model, name, ids, 1, compile_backend, room=new_tokens)
         for rep in range(repeats):
             for name in schemes:
                 if progress:
                     progress(f"context {length}, repeat {rep + 1}/{repeats}: {name}")
-                runs[name].append(_run_once(model, name, ids, new_tokens))
+                runs[name].append(_run_once(model, name, ids, new_tokens, compile_backend))
         rows += _rows(runs, length, new_tokens, repeats)
     return rows
 

@@ -69,10 +69,12 @@ def add_parsers(sub) -> None:
     add_model_args(p)
     p.add_argument("--lengths", type=int_list, default="1024,4096",
                    help="context lengths, e.g. 1024,4096,8192,16384 (default 1024,4096)")
-    p.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"),
+    p.add_argument("--schemes", type=name_list(scheme_names(static=True), "cache scheme"),
                    default="dynamic,asymkv,asymkv-fused,hf-quanto-int4,hf-fp8",
-                   help=f"comma-separated scheme names, from: {', '.join(scheme_names())} (asymkv-fused switches "
-                        "the model to attn_implementation='asymkv_sdpa' while it runs)")
+                   help=f"comma-separated scheme names, from: {', '.join(scheme_names(static=True))} (asymkv-fused "
+                        "switches the model to attn_implementation='asymkv_sdpa' while it runs; '-static' schemes "
+                        "preallocate for the prompt and the decode steps, '-compiled' ones compile the decode step "
+                        "with torch.compile, untimed, in the warm-up)")
     p.add_argument("--new-tokens", type=at_least(1), default=32, help="timed decode steps per repeat")
     p.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats")
     add_threads_arg(p)

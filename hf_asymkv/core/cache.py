@@ -14,7 +14,7 @@ from collections import Counter
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .attention import ATTN_IMPLEMENTATION
 from .compat import reset_layer
@@ -23,10 +23,15 @@ from .layer import AsymKVLayer
 from .reuse import ReuseWatch
 from .scales import KVScales
 from .shapes import SLIDING_LAYER_TYPES, LayerShape, kv_layer_indices, layer_shapes, layer_types
+from .static import StaticAsymKVLayer
 
-__all__ = ["AsymKVCache", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
+__all__ = ["QUANTIZED_LAYERS", "AsymKVCache", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
 """``SLIDING_LAYER_TYPES``, ``kv_layer_indices`` and ``layer_types`` live in :mod:`hf_asymkv.core.shapes`; they are
 served here too for code written against earlier releases."""
+
+QUANTIZED_LAYERS = (AsymKVLayer, StaticAsymKVLayer)
+"""The layer classes an :class:`AsymKVCache` quantizes with (dynamic, and static with ``max_cache_len``)."""
+
 
 class AsymKVCache(Cache):
     """Asymmetric KV cache: keys 8-bit per channel, values 4-bit per token, recent tokens exact.
@@ -39,6 +44,9 @@ class AsymKVCache(Cache):
             for every block, except where a key exceeds it (``overflow_policy``).
         key_absmax: calibrated per-layer K ranges as tensors, ``{layer_idx: Tensor[kv_heads, head_dim]}``
             (what ``scales`` provides; give one or the other).
+        max_cache_len: preallocate every layer for this many tokens (prompt and generated) and make the cache
+            compileable, as transformers' ``StaticCache`` (:class:`~hf_asymkv.core.static.StaticAsymKVLayer`; sliding
+            layers get transformers' static sliding-window layer); None (default): layers grow as needed.
         **settings: any :class:`hf_asymkv.AsymKVConfig` field (``key_format``: one of
             :data:`hf_asymkv.KEY_FORMATS`; ``value_bits``: one of :data:`hf_asymkv.VALUE_BITS`;
             ``residual_length``, ``sink_tokens``, ``layer_overrides``, ...), applied over ``cache_config``.
@@ -70,6 +78,7 @@ class AsymKVCache(Cache):
         *,
         scales: str | os.PathLike | KVScales | None = None,
         key_absmax: dict[int, torch.Tensor] | None = None,
+        max_cache_len: int | None = None,
         **settings,
     ):
         if not isinstance(config, PreTrainedConfig):
@@ -102,7 +111,8 @@ class AsymKVCache(Cache):
         # The configs the model's attention reads its implementation from: looked up at every update, so that
         # `model.set_attn_implementation(...)` after the cache was built takes effect.
         self._attn_configs = (config, text_config)
-        super().__init__(layers=self._build_layers(text_config, key_absmax))
+        self.max_cache_len = max_cache_len
+        super().__init__(layers=self._build_layers(text_config, key_absmax, max_cache_len))
 
     def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
         head_dims = {shape.head_dim for shape in self.shapes if shape.quantized}
@@ -118,9 +128,13 @@ class AsymKVCache(Cache):
         the prefill stays exact, measure it, then call this before the next update).
 
         Raises:
-            ValueError: an invalid override (named by layer, as at construction) or a layer that already holds
-                quantized blocks; nothing is changed then.
+            ValueError: an invalid override (named by layer, as at construction), a layer that already holds
+                quantized blocks, or a static cache (its buffers are sized for its settings: give ``layer_overrides``
+                when building it); nothing is changed then.
         """
+        if self.max_cache_len is not None:
+            raise ValueError("a static cache (max_cache_len) is allocated for its settings; give layer_overrides when "
+                             "building it.")
         config = self._resolved(self.cache_config.replace(layer_overrides=layer_overrides))
         layer_configs = self._layer_configs(config)
         for i, layer_config in layer_configs.items():
@@ -142,16 +156,19 @@ class AsymKVCache(Cache):
         """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call; a new
         prompt on a cache that already answered one is warned about once (:mod:`~hf_asymkv.core.reuse`)."""
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        if isinstance(layer, AsymKVLayer):
+        if isinstance(layer, QUANTIZED_LAYERS):
             layer.return_views = self.fused_attention
-            if layer_idx == self.reuse_watch.layer_idx:  # the first quantized layer: once per forward
-                self.reuse_watch.update(key_states.shape[-2], layer.get_seq_length(), layer.record_past)
+            # the first quantized layer, once per forward; a compiled step cannot read lengths on the host
+            if layer_idx == self.reuse_watch.layer_idx and not torch.compiler.is_compiling():
+                if isinstance(layer, StaticAsymKVLayer):
+                    layer.check_room(key_states.shape[-2])
+                self.reuse_watch.update(key_states.shape[-2], layer)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def crop(self, max_length: int) -> None:
         """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache."""
         super().crop(max_length)
-        self.reuse_watch.rewound()
+        self.reuse_watch.rewound(int(self.layers[self.reuse_watch.layer_idx].get_seq_length()))
 
     def reset(self) -> None:
         """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:
@@ -164,7 +181,8 @@ class AsymKVCache(Cache):
     def reuse_watch(self) -> ReuseWatch:
         """The :class:`~hf_asymkv.core.reuse.ReuseWatch` of this cache (made on first use)."""
         if "_reuse_watch" not in self.__dict__:
-            self._reuse_watch = ReuseWatch(next(i for i, lay in enumerate(self.layers) if isinstance(lay, AsymKVLayer)))
+            self._reuse_watch = ReuseWatch(next(i for i, lay in enumerate(self.layers)
+                                                if isinstance(lay, QUANTIZED_LAYERS)))
         return self._reuse_watch
 
     def activate_past_recording(self, **kwargs) -> None:
@@ -261,7 +279,8 @@ class AsymKVCache(Cache):
                 README's "Presets").
             config: the model config (``model.config``).
             **overrides: ``AsymKVConfig`` settings, ``scales=`` or ``key_absmax=`` (calibrated key ranges apply to
-                symmetric per-channel keys only; ``compact`` and ``max`` refuse them).
+                symmetric per-channel keys only; ``compact`` and ``max`` refuse them), ``max_cache_len=`` (a static,
+                compileable cache: see the class).
 
         Raises:
             ValueError: an unknown preset (the message lists the valid names) or an invalid override.
@@ -269,21 +288,30 @@ class AsymKVCache(Cache):
         Example::
 
             cache = AsymKVCache.from_preset("compact", model.config)
+            static = AsymKVCache.from_preset("compact", model.config, max_cache_len=4096)  # for torch.compile
         """
         from .presets import preset_config
 
-        extra = {k: overrides.pop(k) for k in ("scales", "key_absmax") if k in overrides}
+        extra = {k: overrides.pop(k) for k in ("scales", "key_absmax", "max_cache_len") if k in overrides}
         if "cache_config" in overrides:
             raise ValueError("from_preset builds the cache_config from the preset; pass single settings as overrides.")
         return cls(config, preset_config(name, **overrides), **extra)
 
-    def _build_layers(self, text_config, key_absmax: dict[int, torch.Tensor]) -> list:
-        # What DynamicCache builds for this config (one layer per layer type): reused for every layer we do not
-        # quantize, so sliding windows, linear attention and KV-sharing layers behave exactly as transformers'.
-        layers = DynamicCache(config=text_config).layers
-        for i, layer_config in self.layer_configs.items():
-            layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
-        return layers
+    def _build_layers(self, text_config, key_absmax: dict[int, torch.Tensor], max_cache_len: int | None) -> list:
+        # What DynamicCache (StaticCache for a static cache) builds for this config, one layer per layer type: reused
+        # for every layer we do not quantize, so sliding windows, linear attention and KV-sharing layers behave
+        # exactly as transformers'.
+        if max_cache_len is None:
+            layers = DynamicCache(config=text_config).layers
+            for i, layer_config in self.layer_configs.items():
+                layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
+            return layers
+        layers = [StaticAsymKVLayer(c, max_cache_len, key_absmax=key_absmax.get(i))  # checks max_cache_len first
+                  for i, c in self.layer_configs.items()]
+        built = StaticCache(config=text_config, max_cache_len=max_cache_len).layers
+        for i, layer in zip(self.layer_configs, layers):
+            built[i] = layer
+        return built
 
     def memory_footprint(self) -> dict[str, int | float]:
         """Real bytes of every tensor the cache holds, unused capacity included, and what full-precision caches
@@ -301,12 +329,15 @@ class AsymKVCache(Cache):
             - ``ratio_vs_model_dtype``: ``model_dtype_equivalent / total`` (how many times smaller than that
               ``DynamicCache``; 0.0 while empty);
             - ``bf16_equivalent``: the same cache in bf16 (2 bytes/element) whatever the model's dtype, the
-              figure the README's ratios use; on an fp32 model it is half of ``model_dtype_equivalent``.
+              figure the README's ratios use; on an fp32 model it is half of ``model_dtype_equivalent``;
+            - a static cache (``max_cache_len``) also says ``allocated`` (``total``: every buffer is allocated at the
+              first update, for ``max_cache_len`` tokens) and ``used`` (``total - unused_capacity``: the bytes of
+              the tokens held, what a dynamic cache with the same settings would hold, slack aside).
         """
         parts: Counter = Counter()
         equivalent: Counter = Counter()
         for layer in self.layers:
-            if isinstance(layer, AsymKVLayer):
+            if isinstance(layer, QUANTIZED_LAYERS):
                 parts.update(layer.memory_footprint())
                 if layer.is_initialized:
                     elements = layer.dense_elements()
@@ -319,8 +350,9 @@ class AsymKVCache(Cache):
                 equivalent["model_dtype"] += sum(t.numel() * t.element_size() for t in held)
         total = sum(v for k, v in parts.items() if k != "unused_capacity")
         ratio = equivalent["model_dtype"] / total if total else 0.0
+        static = {"allocated": total, "used": total - parts["unused_capacity"]} if self.max_cache_len else {}
         return {**dict(parts), "total": total, "model_dtype_equivalent": equivalent["model_dtype"],
-                "ratio_vs_model_dtype": ratio, "bf16_equivalent": equivalent["bf16"]}
+                "ratio_vs_model_dtype": ratio, "bf16_equivalent": equivalent["bf16"], **static}
 
     def stats(self) -> dict[str, int]:
         """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,
@@ -329,11 +361,12 @@ class AsymKVCache(Cache):
         elements that reached a quantized block)."""
         total: Counter = Counter()
         for layer in self.layers:
-            if isinstance(layer, AsymKVLayer):
+            if isinstance(layer, QUANTIZED_LAYERS):
                 total.update(layer.stats)
         keys = ("tokens_quantized", "blocks_quantized", "flushes", "key_overflow_channels", "key_widened_blocks",
                 "key_clipped_values", "requantized_tokens", "nonfinite_values")
         return {k: int(total.get(k, 0)) for k in keys} | {k: int(v) for k, v in total.items() if k not in keys}
 
     def __repr__(self) -> str:
-        return f"AsymKVCache({self.cache_config.describe()}, layers={len(self.layers)})"
+        static = f", max_cache_len={self.max_cache_len}" if self.max_cache_len else ""
+        return f"AsymKVCache({self.cache_config.describe()}, layers={len(self.layers)}{static})"

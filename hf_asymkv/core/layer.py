@@ -47,7 +47,7 @@ from .quant import scale_from_absmax
 from .sinks import row_starts
 from .store import TensorStore
 
-__all__ = ["AsymKVLayer"]
+__all__ = ["AsymKVLayer", "check_layer_config"]
 
 
 class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
@@ -81,7 +81,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
 
     def __init__(self, config: LayerConfig, *, key_absmax: torch.Tensor | None = None, return_views: bool = False):
         super().__init__()
-        _check_config(config, key_absmax)
+        check_layer_config(config, key_absmax)
         self.config = config
         self.return_views = return_views
         self.record_past = False  # transformers' name: set by activate_past_recording(), cleared by generate
@@ -105,7 +105,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
 
     def check_reconfigure(self, config: LayerConfig) -> None:
         """Raise the ``ValueError`` :meth:`reconfigure` would raise, changing nothing."""
-        _check_config(config, self.key_absmax)
+        check_layer_config(config, self.key_absmax)
         if self.key_store.blocks.length:
             raise ValueError(f"cannot reconfigure a layer that holds {self.key_store.blocks.length} quantized tokens "
                              "(change settings before the first block, e.g. right after the prefill).")
@@ -335,7 +335,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
             store.map_batch(fn)
 
 
-def _check_config(config: LayerConfig, key_absmax: torch.Tensor | None) -> None:
+def check_layer_config(config: LayerConfig, key_absmax: torch.Tensor | None) -> None:
     """A :class:`LayerConfig`, whose key spec can use a calibrated range if one is given (``ValueError`` otherwise)."""
     if not isinstance(config, LayerConfig):
         raise ValueError(f"AsymKVLayer takes a LayerConfig (AsymKVConfig(...).layer_config()), got "

@@ -149,6 +149,8 @@ def unpack_codes(packed: PackedCodes) -> torch.Tensor:
     bits, block_size, d = packed.bits, packed.block_size, packed.head_dim
     nb = t // block_size
     rows = packed.data.reshape(b, h, nb, block_size * bits // 8, d)  # a view for block-aligned slices of a buffer
+    if torch.compiler.is_compiling():  # a graph takes no `out=` into views; the compiler fuses this form anyway
+        return _unpack_token_planes(rows, bits, block_size).view(b, h, t, d)
     out = torch.empty(b, h, nb, block_size, d, dtype=torch.uint8, device=packed.device)
     start, shift = 0, 0
     for width in plane_widths(bits):
@@ -178,6 +180,19 @@ def _split_planes(part: torch.Tensor, width: int, shift: int, planes: torch.Tens
         planes &= mask
     else:
         planes |= (part >> shifts).bitwise_and_(mask).bitwise_left_shift_(shift)
+
+
+def _unpack_token_planes(rows: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """:func:`unpack_codes` of token-packed blocks without in-place writes: ``[B, H, nb, block_size * bits / 8, D]``
+    byte rows -> ``[B, H, nb, block_size, D]`` codes (the same bytes, for compiled graphs)."""
+    codes, start, shift = None, 0, 0
+    for width in plane_widths(bits):
+        per_byte, r, mask = 8 // width, block_size * width // 8, (1 << width) - 1
+        part = rows[:, :, :, start : start + r]
+        plane = torch.cat([(part >> (j * width)) & mask for j in range(per_byte)], dim=3)
+        codes = plane if codes is None else codes | (plane << shift)
+        start, shift = start + r, shift + width
+    return codes
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

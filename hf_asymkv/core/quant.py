@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import PackedCodes, pack_codes, packs_tokens, plane_widths, unpack_codes
+from .rounding import round_down, round_up
 
 __all__ = [
     "FORMATS",
@@ -162,32 +163,13 @@ def _grouped(x: torch.Tensor, tg: int, cg: int) -> torch.Tensor:
     return x.view(b, h, t // tg, tg, d // cg, cg)
 
 
-def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast positive ``x`` to ``dtype`` so that the result is >= x (and finite)."""
-    y = x.to(dtype)
-    low = y.float() < x
-    if not x.is_cpu or low.any():  # on a GPU the where costs less than the host sync that could skip it
-        y = torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
-    return y.clamp(max=torch.finfo(dtype).max)
-
-
-def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cast ``x`` to ``dtype`` so that the result is <= x (and finite)."""
-    y = x.to(dtype)
-    high = y.float() > x
-    if not x.is_cpu or high.any():  # no host sync on a GPU (see _round_up)
-        y = torch.where(high, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
-    finfo = torch.finfo(dtype)
-    return y.clamp(min=finfo.min, max=finfo.max)
-
-
 def scale_from_absmax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Symmetric scale for a given range: ``amax / qmax``, strictly positive, rounded up into ``scale_dtype``.
 
     Used for measured ranges and for calibrated ones (e.g. a calibrated per-channel K absmax).
     """
     tiny = torch.finfo(spec.scale_dtype).tiny
-    return _round_up((amax.float() / spec.qmax).clamp(min=tiny), spec.scale_dtype)
+    return round_up((amax.float() / spec.qmax).clamp(min=tiny), spec.scale_dtype)
 
 
 def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -219,8 +201,8 @@ def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
     if spec.granularity == "tensor":
         lo = lo.amin(dim=1, keepdim=True).expand_as(lo)
         hi = hi.amax(dim=1, keepdim=True).expand_as(hi)
-    zero = _round_down(lo, spec.scale_dtype)
-    scale = _round_up(((hi - zero.float()) / spec.qmax).clamp(min=tiny), spec.scale_dtype)
+    zero = round_down(lo, spec.scale_dtype)
+    scale = round_up(((hi - zero.float()) / spec.qmax).clamp(min=tiny), spec.scale_dtype)
     return scale[:, :, :, 0, :, 0], zero[:, :, :, 0, :, 0]
 
 
@@ -311,7 +293,8 @@ def _factor(meta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     with |k| < 7.7e-3): then float32, so that the in-place product is computed in float32 and rounded once.
     """
     tiny = torch.finfo(dtype).tiny
-    if tiny > torch.finfo(meta.dtype).tiny and bool(((meta.abs() < tiny) & (meta != 0)).any()):
+    if tiny > torch.finfo(meta.dtype).tiny and (  # a graph cannot look at the values: float32 is right for all
+            torch.compiler.is_compiling() or bool(((meta.abs() < tiny) & (meta != 0)).any())):
         return meta.float()
     return meta.to(dtype)
 

@@ -28,16 +28,25 @@ class CacheReuseWarning(UserWarning):
 
 
 class ReuseWatch:
-    """Applies the rule above to the updates of one layer of a cache, ``layer_idx`` (the first quantized one)."""
+    """Applies the rule above to the updates of one layer of a cache, ``layer_idx`` (the first quantized one).
+
+    It keeps ``seen``, the layer's length after the last update that was not a decode step (or after a crop or
+    reset): a multi-token update that finds the layer longer than that comes after decode steps. Decode steps are
+    not looked at, so the rule holds where they run inside a compiled graph that never calls :meth:`update`.
+    """
 
     def __init__(self, layer_idx: int):
         self.layer_idx = layer_idx
-        self.decoding = False  # the last update was a decode step
+        self.seen = 0
         self.warned = False
 
-    def update(self, tokens: int, held: int, recording: bool) -> None:
-        """Record one update of ``tokens`` tokens onto a layer holding ``held`` tokens; warn by the rule."""
-        if tokens > 1 and self.decoding and not recording and not self.warned:
+    def update(self, tokens: int, layer) -> None:
+        """Record one update of ``tokens`` tokens onto ``layer`` (a cache layer, before the update); warn by the rule.
+        Reads the layer's length on the host for updates of other than one token only."""
+        if tokens == 1:
+            return
+        held = int(layer.get_seq_length())
+        if tokens > 1 and held > self.seen and not layer.record_past and not self.warned:
             self.warned = True
             warnings.warn(CacheReuseWarning(
                 f"AsymKVCache: a new {tokens}-token input arrives on a cache that already holds {held} tokens from "
@@ -47,8 +56,8 @@ class ReuseWatch:
                 "AsymKVCache (or cache.reset()) per prompt; to continue a conversation on purpose, silence this with "
                 "warnings.filterwarnings('ignore', category=hf_asymkv.core.reuse.CacheReuseWarning). Said once per "
                 "cache."), stacklevel=4)
-        self.decoding = tokens == 1
+        self.seen = held + tokens
 
-    def rewound(self) -> None:
-        """A ``crop`` or ``reset``: whoever called it manages the cache's length on purpose."""
-        self.decoding = False
+    def rewound(self, held: int = 0) -> None:
+        """A ``crop`` (to ``held`` tokens) or ``reset``: whoever called it manages the cache's length on purpose."""
+        self.seen = held

@@ -23,7 +23,18 @@ import torch
 
 from .kv_view import SinkOverlayView
 
-__all__ = ["SinkOverlay", "row_starts"]
+__all__ = ["SinkOverlay", "row_anchors", "row_starts"]
+
+
+def row_anchors(position_ids: torch.Tensor | None, batch: int, n: int) -> torch.Tensor | None:
+    """:func:`row_starts` without looking at the values (no host sync): ``[B]`` long, zeros for unpadded rows, or None
+    when there are no ids or they do not fit this update."""
+    if position_ids is None:
+        return None
+    pos = position_ids[0] if position_ids.dim() == 3 else position_ids
+    if pos.dim() != 2 or pos.shape[-1] != n or pos.shape[0] not in (1, batch) or n == 0:
+        return None
+    return (n - 1 - pos[:, -1].long()).clamp(0, n - 1).expand(batch)
 
 
 def row_starts(position_ids: torch.Tensor | None, batch: int, n: int) -> torch.Tensor | None:
@@ -36,13 +47,8 @@ def row_starts(position_ids: torch.Tensor | None, batch: int, n: int) -> torch.T
     Returns:
         ``[B]`` long in ``[0, n)``, or None when every row starts at 0 or the ids do not fit this update.
     """
-    if position_ids is None:
-        return None
-    pos = position_ids[0] if position_ids.dim() == 3 else position_ids
-    if pos.dim() != 2 or pos.shape[-1] != n or pos.shape[0] not in (1, batch) or n == 0:
-        return None
-    starts = (n - 1 - pos[:, -1].long()).clamp(0, n - 1).expand(batch)
-    return starts.clone() if bool(starts.any()) else None
+    starts = row_anchors(position_ids, batch, n)
+    return starts.clone() if starts is not None and bool(starts.any()) else None
 
 
 class SinkOverlay:
@@ -58,6 +64,14 @@ class SinkOverlay:
         self.count = count
         self.anchors: torch.Tensor | None = None
         self.tokens: torch.Tensor | None = None
+        self.preallocated = False
+
+    def preallocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate anchors (zeros: rows start at 0) and tokens now, for a static cache: :meth:`capture` then writes
+        in place and never reads a value on the host."""
+        self.anchors = torch.zeros(batch, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, heads, self.count, head_dim, dtype=dtype, device=device)
+        self.preallocated = True
 
     def set_anchors(self, anchors: torch.Tensor | None) -> None:
         self.anchors, self.tokens = anchors, None
@@ -66,20 +80,24 @@ class SinkOverlay:
         """``[B, count]`` absolute positions of the slots."""
         return self.anchors[:, None] + torch.arange(self.count, device=self.anchors.device)
 
-    def capture(self, x: torch.Tensor, start: int) -> None:
+    def capture(self, x: torch.Tensor, start: int | torch.Tensor, length: int | torch.Tensor | None = None) -> None:
         """Keep the slots among ``x`` (``[B, H, m, D]`` exact tokens at positions ``[start, start + m)``, about to be
-        quantized)."""
+        quantized; only the first ``length`` of them when given)."""
         if self.anchors is None or not self.count:
             return
         rel = self.positions() - start
-        inside = (rel >= 0) & (rel < x.shape[2])
-        if not bool(inside.any()):
-            return
+        inside = (rel >= 0) & (rel < (x.shape[2] if length is None else length))
         b, h, _, d = x.shape
         if self.tokens is None:
+            if not bool(inside.any()):
+                return
             self.tokens = x.new_zeros(b, h, self.count, d)
         index = rel.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(b, h, self.count, d)
-        self.tokens = torch.where(inside[:, None, :, None], x.gather(2, index), self.tokens)
+        captured = torch.where(inside[:, None, :, None], x.gather(2, index), self.tokens)
+        if self.preallocated:  # a static cache's buffers keep their address (compiled graphs write them in place)
+            self.tokens.copy_(captured)
+        else:
+            self.tokens = captured
 
     def view(self, start: int, stop: int) -> SinkOverlayView | None:
         """The slots inside the quantized region ``[start, stop)`` (absolute positions), or None if there are none."""

@@ -27,7 +27,25 @@ from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metada
 from .rotation import dequantize_rotated, rotate
 from .sinks import SinkOverlay
 
-__all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
+__all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore", "encode_blocks", "stored_form"]
+
+
+def stored_form(x: torch.Tensor, spec: QuantSpec, clean: bool) -> torch.Tensor:
+    """What is quantized of ``x`` ``[B, H, m, D]``: ``x @ H`` (float32) for a rotated spec, with NaN/inf first set to 0
+    when ``clean`` (rotating an inf would spread it over the token's every channel); ``x`` itself otherwise."""
+    if not spec.rotated:
+        return x
+    return rotate(torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) if clean else x)
+
+
+def encode_blocks(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor | None = None
+                  ) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None]:
+    """Quantize whole blocks ``[B, H, m, D]`` (in their :func:`stored_form`): ``(codes, scale, zero)``, the scale (and
+    zero) measured from ``x`` unless a calibrated symmetric ``scale`` ``[B, H, m // tg, D // cg]`` is given."""
+    zero = None
+    if scale is None:
+        scale, zero = compute_scale_zero(x, spec)
+    return quantize(x, scale, zero, spec), scale, zero
 
 
 class GrowableBuffer:
@@ -140,14 +158,10 @@ class QuantizedBlocks:
             the number of non-finite elements in ``x``.
         """
         nonfinite = int((~torch.isfinite(x)).sum())
-        if self.spec.rotated:
-            x = rotate(torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) if nonfinite else x)
+        x = stored_form(x, self.spec, clean=bool(nonfinite))
         self.fit(x)
-        zero = None
-        if scale is None:
-            scale, zero = compute_scale_zero(x, self.spec)
         m = x.shape[2]
-        codes = quantize(x, scale, zero, self.spec)
+        codes, scale, zero = encode_blocks(x, self.spec, scale)
         self.codes.append(codes.data, self.growth, self.block_size, self.max_step)
         for buf, meta in ((self.scales, scale), (self.zeros, zero)):
             if meta is not None:  # metadata rows per token: 1 / token_group

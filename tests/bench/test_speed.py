@@ -92,3 +92,27 @@ def test_bench_cli_rejects_unknown_scheme_before_loading(capsys):
         main(["bench", "--schemes", "asymkv,nope"])
     assert info.value.code == 2
     assert "argument --schemes: unknown cache scheme(s) ['nope']; known cache schemes: dynamic," in capsys.readouterr().err
+
+
+def test_static_schemes_compile_once_and_store_alike(llama):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    schemes = ["hf-static-compiled", "asymkv-balanced-static", "asymkv-balanced-static-compiled"]
+    # the eager backend: the same tracing (fullgraph, one graph per compiled scheme) without inductor's minutes
+    rows = measure_decode_speed(llama, schemes, [300], new_tokens=2, repeats=2, compile_backend="eager")
+    assert [r.scheme for r in rows] == ["dynamic", *schemes]
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # warm-up compiled, runs reused
+    by = {r.scheme: r for r in rows}
+    assert by["asymkv-balanced-static"].kv_bytes == by["asymkv-balanced-static-compiled"].kv_bytes
+    assert by["asymkv-balanced-static"].kv_bytes < by["hf-static-compiled"].kv_bytes
+
+
+def test_static_scheme_needs_a_length(llama):
+    from hf_asymkv.bench.schemes import scheme_forward
+
+    with pytest.raises(ValueError, match="scheme 'hf-static' is a static cache: give max_cache_len"):
+        make_cache("hf-static", llama.config)
+    assert make_cache("asymkv-compact-static", llama.config, max_cache_len=50).max_cache_len == 50
+    assert scheme_forward(llama, "asymkv-compact-static") is llama
