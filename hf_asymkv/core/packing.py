@@ -137,9 +137,9 @@ def pack_codes(codes: torch.Tensor, bits: int, block_size: int = 1) -> PackedCod
 def unpack_codes(packed: PackedCodes) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: a new ``[B, H, T, D]`` tensor (uint8 for sub-byte codes).
 
-    Token-packed blocks decode plane by plane: one shift-and-mask of the plane set's byte rows per plane,
-    written into a run of whole token rows of every block (``block_size * w // 8 * D`` contiguous elements),
-    high planes OR-ed in with their shift. Every operation works on bytes; callers convert once.
+    Token-packed blocks decode plane set by plane set (:func:`plane_widths`), each plane into a run of whole token
+    rows of every block (``block_size * w // 8 * D`` contiguous elements), high plane sets OR-ed in with their
+    shift (:func:`_split_planes`). Every operation works on bytes; callers convert once.
     """
     if packed.bits >= 8:
         return packed.data.clone()
@@ -154,21 +154,32 @@ def unpack_codes(packed: PackedCodes) -> torch.Tensor:
     out = torch.empty(b, h, nb, block_size, d, dtype=torch.uint8, device=packed.device)
     start, shift = 0, 0
     for width in plane_widths(bits):
-        per_byte, r = 8 // width, block_size * width // 8
-        part, mask = rows[:, :, :, start : start + r], (1 << width) - 1
-        for j in range(per_byte):
-            dest, down = out[:, :, :, j * r : (j + 1) * r], j * width
-            if shift:  # bits [down, down + width) of the byte to bits [shift, shift + width) of the code
-                moved = part >> (down - shift) if down >= shift else part << (shift - down)
-                dest |= moved & (mask << shift)
-            elif j == 0:
-                torch.bitwise_and(part, mask, out=dest)
-            elif j == per_byte - 1:  # the top plane needs no mask
-                torch.bitwise_right_shift(part, down, out=dest)
-            else:
-                torch.bitwise_and(part >> down, mask, out=dest)
+        r = block_size * width // 8  # byte rows of the plane set; its plane j holds the block's tokens [j*r, (j+1)*r)
+        planes = out.view(b, h, nb, 8 // width, r, d)
+        _split_planes(rows[:, :, :, None, start : start + r], width, shift, planes)
         start, shift = start + r, shift + width
     return out.view(b, h, t, d)
+
+
+def _split_planes(part: torch.Tensor, width: int, shift: int, planes: torch.Tensor) -> None:
+    """Decode token-packed byte rows ``part`` ``[B, H, nb, 1, r, D]`` into ``planes`` ``[B, H, nb, 8 // width, r, D]``:
+    plane ``j`` takes bits ``[j * width, (j + 1) * width)`` of each byte to bits ``[shift, shift + width)`` of the
+    code. The first plane set (``shift`` 0) writes ``planes``, later ones are OR-ed in.
+
+    Four or eight planes per byte are split by one broadcast shift (on a CPU 1.4-2x faster than a shift-and-mask per
+    plane, each a dispatch and a strided write); nibbles by their two ops, which beat the broadcast.
+    """
+    mask = (1 << width) - 1
+    if width == 4 and shift == 0:
+        torch.bitwise_and(part[:, :, :, 0], mask, out=planes[:, :, :, 0])
+        torch.bitwise_right_shift(part[:, :, :, 0], 4, out=planes[:, :, :, 1])
+        return
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=part.device).view(-1, 1, 1)
+    if shift == 0:
+        torch.bitwise_right_shift(part, shifts, out=planes)
+        planes &= mask
+    else:
+        planes |= (part >> shifts).bitwise_and_(mask).bitwise_left_shift_(shift)
 
 
 def _unpack_token_planes(rows: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
