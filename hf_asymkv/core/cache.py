@@ -111,7 +111,7 @@ class AsymKVCache(Cache):
         # The configs the model's attention reads its implementation from: looked up at every update, so that
         # `model.set_attn_implementation(...)` after the cache was built takes effect.
         self._attn_configs = (config, text_config)
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         super().__init__(layers=self._build_layers(text_config, key_absmax, max_cache_len))
 
     def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
@@ -145,6 +145,12 @@ class AsymKVCache(Cache):
         for i, layer_config in layer_configs.items():
             self.layers[i].reconfigure(layer_config)
         self.cache_config, self.layer_configs = config, layer_configs
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """Tokens every layer is preallocated for (a static cache), or None (dynamic). A property of our own:
+        transformers 5.0-5.x's ``Cache.max_cache_len`` is a read-only property over the layers."""
+        return self._max_cache_len
 
     @property
     def fused_attention(self) -> bool:
