@@ -14,6 +14,10 @@ For each scheme we record
   ``ppl_windows`` windows of ``ppl_length`` tokens of natural text (:func:`.ppl.run_ppl`: the second half of each
   window is scored through the scheme's quantized history; default text: the built-in corpus of :mod:`.haystack`),
   when ``ppl_length`` > 0. It can be slightly negative: quantization noise that happens to help on that text.
+- **long-decode damage** (:func:`.long_decode.run_long_decode`), when ``decode_steps`` > 0: the KL of the last
+  64-step segment of a ``decode_steps``-token generation teacher-forced through the cache, and the greedy
+  agreement (steps before the first token that differs from full precision). The KL counts in the Pareto check
+  below as one more damage metric (``decode KL``).
 
 The Pareto check: a peer *passes* (is matched) when one of our settings spends no more bytes
 (``x_smaller`` at least the peer's) and is at least as accurate on every measured metric (needle prompts lost,
@@ -40,6 +44,7 @@ from ..bench.peers import PEERS
 from ..bench.schemes import PRESET_NAMES, SCHEMES, make_cache
 from .attention import run_attention
 from .haystack import load_text
+from .long_decode import run_long_decode
 from .ppl import run_ppl
 from .report import flips
 from .retrieval import run_needle
@@ -85,6 +90,8 @@ class FrontierRow:
     ppl: float = float("nan")  # perplexity through the scheme's cache on the ppl windows
     delta_ppl_pct: float = float("nan")  # 100 * (ppl - full-precision ppl) / full-precision ppl; NaN: not measured
     delta_ppl_se: float = 0.0  # standard error of delta_ppl_pct (per-token NLL differences, .ppl.run_ppl)
+    decode_kl: float = float("nan")  # long decode: KL of the last 64-step segment, nats; NaN: not measured
+    decode_agreement: float = float("nan")  # long decode: greedy steps equal to full precision's, mean over prompts
     description: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -118,8 +125,8 @@ def _mean(values: list[float]) -> float:
 
 def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depths: list[float], tasks: list[str],
                  samples: int = 1, attention_length: int = 0, bytes_length: int | None = None, seed: int = 0,
-                 ppl_length: int = 0, ppl_windows: int = 1, text: str | None = None,
-                 show_progress: bool = True) -> list[FrontierRow]:
+                 ppl_length: int = 0, ppl_windows: int = 1, text: str | None = None, decode_steps: int = 0,
+                 decode_prompt_length: int = 2048, show_progress: bool = True) -> list[FrontierRow]:
     """Bytes, needle accuracy and damage of every scheme (``schemes[0]`` must be ``dynamic``).
 
     Args:
@@ -128,7 +135,8 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
         bytes_length: tokens for the byte count (default: the longest needle length).
         ppl_length, ppl_windows: perplexity windows (:func:`.ppl.run_ppl`, default prefix and chunk; 0: not
             measured).
-        text: the perplexity text (default: the built-in corpus, :func:`.haystack.load_text`).
+        text: the perplexity and long-decode text (default: the built-in corpus, :func:`.haystack.load_text`).
+        decode_steps, decode_prompt_length: the long-decode measurement (one prompt; 0 steps: not measured).
 
     Every scheme must be able to build a cache for the model: filter with :func:`.common.schemes_for` first
     (transformers' ``QuantizedCache`` refuses sliding-window models), as the CLI does.
@@ -137,11 +145,14 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
         ValueError: from the measurements (e.g. a length over the model's limit, a text shorter than
             ``ppl_length`` tokens: checked first, before the needle run).
     """
-    ppl = {}
+    ppl, decode = {}, {}
+    text = load_text(None)[0] if text is None and (ppl_length or decode_steps) else text
     if ppl_length:  # first: a text too short for the window fails before the long needle run
-        text = load_text(None)[0] if text is None else text
         ppl = {r.scheme: r for r in run_ppl(model, tokenizer, schemes, text, ppl_length, ppl_windows,
                                             show_progress=show_progress)}
+    if decode_steps:
+        decode = {r.scheme: r for r in run_long_decode(model, tokenizer, schemes, text, decode_prompt_length,
+                                                       decode_steps, seed=seed, show_progress=show_progress)}
     rows = run_needle(model, tokenizer, schemes, lengths, depths, tasks, samples, seed=seed,
                       show_progress=show_progress)
     flipped = flips([asdict(r) for r in rows])
@@ -157,20 +168,21 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
     out = []
     for name in schemes:
         mine = per_scheme[name]
-        att, p = attention.get(name), ppl.get(name)
+        att, p, d = attention.get(name), ppl.get(name), decode.get(name)
         out.append(FrontierRow(
             name, kind_of(name), nbytes[name], nbytes["dynamic"] / nbytes[name],
             _mean([float(r.correct) for r in mine]), *flipped[name], _mean([r.tail_kl for r in mine]),
             att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
             ppl=p.ppl if p else float("nan"), delta_ppl_pct=p.delta_pct if p else float("nan"),
-            delta_ppl_se=p.delta_pct_se if p else 0.0, description=SCHEMES[name][0]))
+            delta_ppl_se=p.delta_pct_se if p else 0.0, decode_kl=d.segments[-1] if d else float("nan"),
+            decode_agreement=d.agreement_mean if d else float("nan"), description=SCHEMES[name][0]))
     return out
 
 
 def _metrics(row: FrontierRow) -> dict[str, float]:
     """Damage metrics, lower is better, that were measured (NaN ones are left out)."""
     values = {"needle lost": row.lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl,
-              "Δppl %": row.delta_ppl_pct}
+              "Δppl %": row.delta_ppl_pct, "decode KL": row.decode_kl}
     return {k: v for k, v in values.items() if not math.isnan(v)}
 
 
@@ -229,11 +241,13 @@ def _verdict(d: dict) -> str:
 def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, str] | None = None) -> str:
     """One row per scheme, sorted by compression."""
     lines = ["| scheme | kind | KV bytes | x smaller than bf16 | needle acc | lost / gained | tail KL | "
-             "attention KL | top-8 overlap | Δppl % (± s.e.) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "attention KL | top-8 overlap | decode KL, last 64 | greedy agreement | Δppl % (± s.e.) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.x_smaller):
         lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {100 * r.needle_accuracy:.0f}% | "
                      f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | "
-                     f"{_fmt(r.attention_top8, 3)} | {_ppl_cell(r)} |")
+                     f"{_fmt(r.attention_top8, 3)} | {_fmt(r.decode_kl)} | {_fmt(r.decode_agreement, 3)} | "
+                     f"{_ppl_cell(r)} |")
     text = f"Frontier: bytes and damage per scheme ({prompts} needle prompts)\n\n" + "\n".join(lines)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())
