@@ -203,9 +203,10 @@ def _fmt(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2e}"
 
 
-def long_decode_markdown(rows: list[LongDecodeRow], segment: int = SEGMENT, skipped: dict[str, str] | None = None,
-                         label: str = "") -> str:
-    """Two tables: KL per segment (with last/first), and greedy agreement and top-1 agreement per scheme."""
+def long_decode_markdown(rows: list[LongDecodeRow], segment: int = SEGMENT, skipped: dict[str, str] | None = None
+                         ) -> str:
+    """Two tables: KL per segment (with last/first) under full precision's entropy per segment (how hard each
+    segment is), and greedy agreement and top-1 agreement per scheme (``rows[0]``: the reference)."""
     n = len(rows[0].segments)
     starts = [f"{i * segment}-{min((i + 1) * segment, rows[0].steps) - 1}" for i in range(n)]
     head = "| scheme | " + " | ".join(starts) + " | last / first |"
@@ -218,9 +219,11 @@ def long_decode_markdown(rows: list[LongDecodeRow], segment: int = SEGMENT, skip
     for r in rows:
         agree.append(f"| {r.scheme} | {', '.join(map(str, r.agreement))} | {r.agreement_mean:.1f} | "
                      f"{100 * r.top1:.1f}% | {_fmt(r.kl_mean)} |")
-    title = f"Long decode{label}: KL(full || scheme) of each step's next token, mean per {segment}-step segment (nats)"
-    text = title + "\n\n" + "\n".join(lines) + "\n\nGreedy agreement: steps before the first token that differs " \
-        "from full precision\n\n" + "\n".join(agree)
+    title = f"Long decode: KL(full || scheme) of each step's next token, mean per {segment}-step segment (nats)"
+    entropy = ", ".join(f"{e:.2f}" for e in rows[0].entropy)
+    text = title + "\n\n" + "\n".join(lines) + f"\n\nFull precision's next-token entropy per segment (nats): " \
+        f"{entropy}\n\nGreedy agreement: steps before the first token that differs from full precision\n\n" \
+        + "\n".join(agree)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())
     return text

@@ -84,6 +84,8 @@ def test_rows_tables_and_seeds(llama, tok):
     table = long_decode_markdown(rows, 32, {"hf-fp8": "refused"})
     assert "| scheme | 0-31 | 32-63 | 64-69 | last / first |" in table
     assert "| asymkv-max | " in table and "Not run on this model: `hf-fp8` (refused)" in table
+    entropy = ", ".join(f"{e:.2f}" for e in rows[0].entropy)
+    assert f"Full precision's next-token entropy per segment (nats): {entropy}\n" in table
     again = run_long_decode(llama, tok, ["dynamic", "asymkv-max"], TEXT, 100, 70, prompts=2, segment=32,
                             show_progress=False)[1]
     other = run_long_decode(llama, tok, ["dynamic", "asymkv-max"], TEXT, 100, 70, prompts=2, segment=32, seed=5,
