@@ -121,6 +121,20 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     del gguf_model
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    _usual_modes(out_dir)
+
+
+def _usual_modes(folder: Path) -> None:
+    """Give the files of our cached model folder the usual permissions of a new file (safetensors writes its
+    files 0600, which an export's hard links would pass on); best effort on a cache another user owns."""
+    from .core.fileio import usual_mode
+
+    for path in folder.iterdir():
+        try:
+            if path.is_file() and path.stat().st_mode & 0o777 != usual_mode():
+                path.chmod(usual_mode())
+        except OSError:
+            pass
 
 
 def _remove_stale_tmp_dirs(root: Path) -> None:
@@ -151,6 +165,7 @@ def default_model_path() -> Path:
     root = cache_dir()
     final = root / _CACHED_NAME
     if _is_complete(final):
+        _usual_modes(final)  # a folder converted before the modes were set
         return final
     gguf_path = locate_default_gguf()
     root.mkdir(parents=True, exist_ok=True)

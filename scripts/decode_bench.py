@@ -2,8 +2,8 @@
 
 Best of ``--repeats`` calls of ``decode_codes`` (codes -> float32 code values) and ``dequantize`` (scale and zero
 applied) per width, for per-token V codes in blocks of ``--block`` tokens. Runs against any checkout of the package
-(releases before token packing have no ``block_size`` argument: the script then calls them without it), so the
-before/after of a packing change is one command on each commit.
+(releases before token packing have no ``block_size`` argument: the script then calls them without it; later
+ones carry the block size in ``QuantSpec``), so the before/after of a packing change is one command on each commit.
 
     OMP_NUM_THREADS=1 python scripts/decode_bench.py --threads 1
 """
@@ -11,6 +11,7 @@ before/after of a packing change is one command on each commit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import time
 
@@ -43,16 +44,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     x = torch.randn(1, 3, args.tokens, 64, generator=torch.Generator().manual_seed(0))
     out = torch.empty_like(x)
-    has_block = "block_size" in inspect.signature(decode_codes).parameters
+    in_spec = "block_size" in {f.name for f in dataclasses.fields(QuantSpec)}
+    has_block = in_spec or "block_size" in inspect.signature(decode_codes).parameters
     print(f"| V bits | decode ms | dequantize ms |  (block {args.block}, token packing API: {has_block})")
     print("|---:|---:|---:|")
     for bits in (2, 3, 4, 5, 6, 8):
-        spec = QuantSpec(f"int{bits}", "token", group_size=64, symmetric=False)
-        scale, zero = compute_scale_zero(x, spec, args.block)
-        codes = quantize(x, scale, zero, spec, args.block)
-        extra = (args.block,) if has_block else ()
+        block = {"block_size": args.block} if in_spec else {}
+        spec = QuantSpec(f"int{bits}", "token", group_size=64, symmetric=False, **block)
+        extra = (args.block,) if has_block and not in_spec else ()  # releases that passed the block beside the spec
+        scale, zero = compute_scale_zero(x, spec, *extra)
+        codes = quantize(x, scale, zero, spec, *extra)
         dec = best_ms(lambda: decode_codes(codes, spec, *extra, out=out), args.repeats)
-        deq = best_ms(lambda: dequantize(codes, scale, zero, spec, args.block, out=out), args.repeats)
+        deq = best_ms(lambda: dequantize(codes, scale, zero, spec, *extra, out=out), args.repeats)
         print(f"| {bits} | {dec:.3f} | {deq:.3f} |")
 
 

@@ -62,6 +62,7 @@ def measure(length: int) -> dict[str, float]:
     dynamic.update(k, v, 0)
     layer = AsymKVCache(config).layers[0]
     layer.update(k, v)
+    n_quantized = layer.key_store.blocks.length
 
     def step_dynamic():
         keys, values = dynamic.update(new, new, 0)
@@ -81,8 +82,8 @@ def measure(length: int) -> dict[str, float]:
         "dynamic": best_ms(step_dynamic),
         "asymkv-dense": best_ms(lambda: step_asymkv(False)),
         "asymkv-fused": best_ms(lambda: step_asymkv(True)),
-        "K decode": best_ms(lambda: dequantize(layer.key_store.blocks.codes.live, layer.key_store.blocks.scales.live, None, layer.key_spec, 128)),
-        "V decode": best_ms(lambda: dequantize(layer.value_store.blocks.codes.live, layer.value_store.blocks.scales.live, layer.value_store.blocks.zeros.live, layer.value_spec, 128)),
+        "K decode": best_ms(lambda: dequantize(*layer.key_store.blocks.parts(0, n_quantized), layer.key_spec)),
+        "V decode": best_ms(lambda: dequantize(*layer.value_store.blocks.parts(0, n_quantized), layer.value_spec)),
     }
 
 

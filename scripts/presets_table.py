@@ -1,7 +1,7 @@
 """Measure the presets, the ablations behind them and transformers' caches on the same prompts.
 
 Writes ``<out>/<model>.json`` (every row and every needle answer) and ``<out>/<model>.md`` (the tables the
-README quotes). See :mod:`hf_asymkv.bench.presets_table` for what each column means.
+README quotes). See :mod:`hf_asymkv.evals.presets_table` for what each column means.
 
 Usage:
     python scripts/presets_table.py                                   # SmolLM2-135M-Instruct, 4k, with ablations
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from hf_asymkv.bench import presets_table as pt
+    from hf_asymkv.evals import presets_table as pt
     from hf_asymkv.evals.common import run_meta
     from hf_asymkv.models import load_model
 

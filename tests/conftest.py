@@ -10,8 +10,22 @@ its last token) keep greedy continuations varied.
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
 import random
 from pathlib import Path
+
+# The Triton kernels are tested under Triton's interpreter on CPU tensors (tests/kernels). Triton decides between
+# compiling and interpreting when its modules are imported, and transformers imports Triton when it is installed:
+# so the interpreter is selected here, before transformers is imported. Without Triton (it is in the test extra)
+# the kernel tests are not collected.
+os.environ["TRITON_INTERPRET"] = "1"
+if importlib.util.find_spec("triton") is None:
+    collect_ignore_glob = ["kernels/*"]
+else:
+    from hf_asymkv.kernels.interpreter import prepare_interpreter
+
+    prepare_interpreter()
 
 import pytest
 import torch

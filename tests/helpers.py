@@ -1,5 +1,6 @@
 """Plain helpers shared by several test modules (fixtures live in conftest.py)."""
 
+import dataclasses
 import importlib.util
 import warnings
 from pathlib import Path
@@ -7,6 +8,16 @@ from pathlib import Path
 import torch
 
 from hf_asymkv import cache_kwargs
+from hf_asymkv.core.config import Growth, LayerConfig
+from hf_asymkv.core.quant import QuantSpec
+
+
+def layer_config(key_spec: QuantSpec, value_spec: QuantSpec, block_size: int, *, growth_factor: float = 1.25,
+                 max_growth_tokens: int = 256, **settings) -> LayerConfig:
+    """A :class:`LayerConfig` from hand-made specs, both put in blocks of ``block_size``; ``settings``: the other
+    LayerConfig fields (``residual_length``, ``sink_tokens``, ``overflow_policy``)."""
+    specs = (dataclasses.replace(spec, block_size=block_size) for spec in (key_spec, value_spec))
+    return LayerConfig(*specs, growth=Growth(growth_factor, max_growth_tokens), **settings)
 
 
 def greedy_with_logits(model, prompt: torch.Tensor, cache, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +66,37 @@ def word_tokenizer():
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` imported as a module (scripts are not a package), for the script smoke tests."""
+    """``scripts/<name>.py`` imported as a module (scripts are not a package), for the script smoke tests;
+    ``name`` may name a subfolder (``studies/key_format``)."""
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(Path(name).name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def cli_exit_code(argv: list[str]) -> int:
+    """The exit code of ``hf-asymkv ARGV``, whether the command returned it or argparse exited with it (a value
+    refused while parsing)."""
+    from hf_asymkv.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def permissions_enforced() -> bool:
+    """Whether this process is refused a folder without write permission (not when root bypasses modes; root
+    without CAP_DAC_OVERRIDE, e.g. under ``setpriv --inh-caps=-dac_override``, is refused)."""
+    import os
+    import stat
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        locked = os.path.join(root, "locked")
+        os.mkdir(locked, stat.S_IRUSR | stat.S_IXUSR)
+        try:
+            return not os.access(locked, os.W_OK)
+        finally:
+            os.chmod(locked, stat.S_IRWXU)

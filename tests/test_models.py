@@ -350,3 +350,17 @@ def test_folder_without_config_is_not_a_model(tmp_path):
         check_model_source(str(tmp_path))
     check_model_source("org/some-model")  # Hub ids are the Hub's to answer
     check_model_source(DEFAULT_MODEL)
+
+
+def test_cached_model_files_get_the_usual_permissions(empty_cache):
+    """safetensors writes 0600; an export hard-links the cached weights, and a link shares that mode."""
+    from hf_asymkv.core.fileio import usual_mode
+
+    folder = empty_cache / models._CACHED_NAME
+    folder.mkdir(parents=True)
+    for name in models._REQUIRED_FILES:
+        (folder / name).write_text("x")
+    (folder / "model.safetensors").chmod(0o600)
+    assert default_model_path() == folder
+    assert {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()} == {
+        name: usual_mode() for name in models._REQUIRED_FILES}

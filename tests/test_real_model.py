@@ -53,3 +53,17 @@ def test_bf16_memory_ratio_at_4096(real_model):
     dynamic, ours = rows
     assert dynamic.prefill_bytes == 30 * 2 * 3 * 4096 * 64 * 2  # layers x (K, V) x heads x tokens x dim x bf16
     assert ours.ratio_vs_dynamic >= 2.35, ours
+
+
+def test_37_token_prompt_holds_no_more_than_a_dynamic_cache(real_model):
+    """Issue 25: a 37-token prompt plus 20 generated tokens held 10% more than a DynamicCache in the model's dtype
+    (the window's growth slack); before the first quantized block (196 tokens by default) it now holds the same."""
+    model, tokenizer = real_model
+    ids = torch.randint(100, 1000, (1, 37), generator=torch.Generator().manual_seed(0))
+    cache = AsymKVCache(model.config)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache), max_new_tokens=20,
+                       do_sample=False)
+    footprint = cache.memory_footprint()
+    assert cache.get_seq_length() == 56 and cache.stats()["tokens_quantized"] == 0
+    assert footprint["total"] <= footprint["model_dtype_equivalent"] and footprint["ratio_vs_model_dtype"] >= 1.0

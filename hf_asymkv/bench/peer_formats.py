@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.quant import FP8_E4M3_MAX
+from ..core.rotation import hadamard as block_hadamard
+
 __all__ = [
     "FP8_E4M3_MAX",
     "LLAMA_BLOCK",
@@ -32,21 +35,19 @@ __all__ = [
 
 LLAMA_BLOCK = 32
 """llama.cpp ``QK8_0`` / ``QK4_0``: values per block (``ggml/src/ggml-common.h``)."""
-FP8_E4M3_MAX = 448.0
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Orthonormal Sylvester-Hadamard matrix ``[n, n]`` (``H @ H.T = I``, symmetric), ``n`` a power of two.
+    """Orthonormal Sylvester-Hadamard matrix ``[n, n]`` (``H @ H.T = I``, symmetric), ``n`` a power of two: the
+    core's matrix (:func:`hf_asymkv.core.rotation.hadamard`), limited to the sizes the peers' rotations take (the
+    core's block-diagonal form for other sizes is not theirs).
 
     Raises:
         ValueError: ``n`` is not a power of two.
     """
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / n**0.5).to(dtype)
+    return block_hadamard(n, dtype)
 
 
 def random_signs(n: int, seed: int = 0) -> torch.Tensor:

@@ -25,7 +25,9 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..core.shapes import layer_shapes
 from . import peer_formats as pf
+from .schemes import PEER_SCHEMES
 
 __all__ = ["PEERS", "KiviLayer", "PeerCache", "PeerFormat", "PeerLayer", "make_peer_cache"]
 
@@ -37,7 +39,8 @@ class PeerFormat:
     """One peer's KV format.
 
     Args:
-        name: scheme name (``vllm-int8-pth``...). description: one line for tables.
+        name: scheme name, one of :data:`hf_asymkv.bench.schemes.PEER_SCHEMES` (the torch-free list of names).
+        description: one line for tables.
         source: where the format is defined (repository file or paper section).
         quantize: ``(layer, keys, values) -> (keys, values)``, ``[B, kv_heads, T, head_dim]`` each,
             quantize-dequantized in the input dtype (``None`` for :class:`KiviLayer` formats).
@@ -55,6 +58,11 @@ class PeerFormat:
     layer_bytes: int = 0
     boundary_layers: int = 0
     kivi_bits: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in PEER_SCHEMES:
+            raise ValueError(f"peer format {self.name!r} has no scheme name; add it to PEER_SCHEMES "
+                             f"({list(PEER_SCHEMES)}).")
 
     def is_exact_layer(self, layer_idx: int, num_layers: int) -> bool:
         n = min(self.boundary_layers, num_layers // 2)
@@ -245,17 +253,16 @@ class PeerCache(Cache):
                          if fmt.kivi_bits else PeerLayer(fmt))
         super().__init__(layers=layers)
         self.fmt = fmt
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.shapes = layer_shapes(config)
 
     def engine_nbytes(self) -> int:
         """Engine bytes for the tokens this cache holds now (per layer, batch included)."""
         total = 0
-        for layer in self.layers:
+        for layer, shape in zip(self.layers, self.shapes):
             if not layer.is_initialized or layer.keys.numel() == 0:
                 continue
             tokens, batch = layer.keys.shape[-2], layer.keys.shape[0]
-            total += batch * self.fmt.layer_nbytes(tokens, self.kv_heads, self.head_dim,
+            total += batch * self.fmt.layer_nbytes(tokens, shape.kv_heads, shape.head_dim,
                                                    exact=not isinstance(layer, (PeerLayer, KiviLayer)))
         return total
 

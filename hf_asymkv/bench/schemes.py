@@ -13,13 +13,16 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from ..core.registry import PRESET_NAMES
+
 if TYPE_CHECKING:  # torch, transformers and the core load inside the factories: the CLI lists names cheaply
     from transformers import PreTrainedConfig
     from transformers.cache_utils import Cache
 
     from ..core.cache import AsymKVCache
 
-__all__ = ["ATTENTION", "SCHEMES", "check_scheme", "make_cache", "scheme_attention", "scheme_names", "with_baseline"]
+__all__ = ["ATTENTION", "PEER_SCHEMES", "PRESET_NAMES", "SCHEMES", "check_scheme", "make_cache", "scheme_attention",
+           "scheme_names", "with_baseline"]
 
 Factory = Callable[["PreTrainedConfig"], "Cache"]
 
@@ -102,10 +105,6 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
     ),
 }
 
-# The presets (hf_asymkv.PRESETS, which a test holds equal to this list) by their scheme names, named here so that
-# the CLI can list and check names without importing torch.
-PRESET_NAMES = ("quality", "balanced", "lean", "compact", "tight", "max")
-
 
 def _preset(name: str) -> Factory:
     def build(config: PreTrainedConfig) -> AsymKVCache:
@@ -122,8 +121,8 @@ SCHEMES.update({f"asymkv-{name}-fused": (f"ours, preset {name!r} with the fused 
                                          "(attn_implementation='asymkv_sdpa')", _fused(_preset(name)))
                 for name in PRESET_NAMES})
 
-# The peers' emulations (hf_asymkv.bench.peers.PEERS, which a test holds equal to this list), named here so
-# that the CLI can list and check names without importing torch.
+# The peers' emulations: their names are written here once (the CLI lists and checks them without importing torch);
+# hf_asymkv.bench.peers.PEERS defines one format under each, and refuses any other name.
 PEER_SCHEMES = {
     "vllm-int8-pth": "vLLM int8_per_token_head",
     "vllm-int4-pth": "vLLM int4_per_token_head (randomized Hadamard)",

@@ -9,6 +9,7 @@ per channel when a percentile is asked for (k = the number of tokens above the p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,28 +121,33 @@ class CalibrationResult:
 
 @torch.no_grad()
 def calibrate_model(model, samples: list[torch.Tensor], *, chunk_size: int = 2048, top_k: int = 0,
-                    progress: bool = True) -> dict[int, LayerStats]:
+                    progress: bool = True, tick: Callable[[str], None] | None = None) -> dict[int, LayerStats]:
     """Run chunked prefill over ``samples`` (each ``[1, seq_len]`` token ids) and return per-layer stats.
 
     Each sample gets a fresh observing cache (the statistics carry over); logits are computed for one
     position per chunk only (``logits_to_keep=1``), so memory is the KV cache of one sample plus one chunk.
     The model may be spread over devices by an accelerate device map: each layer's K/V arrive on (and its
-    cache stays on) that layer's device, and the statistics are gathered on the CPU.
+    cache stays on) that layer's device, and the statistics are gathered on the CPU. ``tick`` is called after
+    each chunk with where the run is (the CLI's once-a-minute line, whatever ``progress`` says).
     """
     from tqdm.auto import tqdm
 
+    from ..core.scales import config_fingerprint
     from ..models import input_device
 
+    config_fingerprint(model.config)  # a config the scales file cannot describe fails here, before any model pass
     device = input_device(model)  # not model.device: that is `meta` when a device map offloads the embeddings
     stats: dict[int, LayerStats] = {}
     total = sum(math.ceil(s.shape[-1] / chunk_size) for s in samples)
     bar = tqdm(total=total, desc="calibrating", unit="chunk", disable=not progress)
-    for ids in samples:
+    for n, ids in enumerate(samples, 1):
         cache = ObservingCache(model.config, stats, top_k)
         for start in range(0, ids.shape[-1], chunk_size):
             chunk = ids[:, start : start + chunk_size].to(device)
             model(input_ids=chunk, use_cache=True, logits_to_keep=1, **cache_kwargs(cache))
             bar.update(1)
+            if tick:
+                tick(f"sample {n}/{len(samples)}, {start + chunk.shape[-1]} of {ids.shape[-1]} tokens")
         del cache
     bar.close()
     return stats

@@ -13,11 +13,15 @@ import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads in pack_samples: the CLI checks --data paths with this module before any import
+    import torch
 
-__all__ = ["iter_texts", "load_texts", "pack_samples", "stream_texts"]
+__all__ = ["DEFAULT_NUM_SAMPLES", "DEFAULT_SEQ_LEN", "MIN_TEXT_TOKENS", "SamplePlan", "cut_samples", "iter_texts",
+           "load_texts", "looks_like_path", "pack_samples", "plan_samples", "read_tokens", "stream_texts"]
 
 _TEXT_SUFFIXES = (".txt", ".md")
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # suffix -> `datasets` packaged builder
@@ -96,7 +100,7 @@ def _read_file(path: Path, text_column: str) -> Iterator[str]:
     yield from _texts_of(_rows(dataset, str(path)), text_column, str(path))
 
 
-def _looks_like_path(data: str) -> bool:
+def looks_like_path(data: str) -> bool:
     """A name that can only mean a local file (not a `datasets` name such as ``owner/name``)."""
     return (Path(data).suffix in _SUFFIXES or data.startswith(("/", "./", "../", "~", ".\\", "..\\"))
             or Path(data).is_absolute())
@@ -141,7 +145,7 @@ def iter_texts(data: str, *, split: str = "train", text_column: str = "text") ->
     if path.exists():
         for file in _local_files(path):
             yield from _read_file(file, text_column)
-    elif _looks_like_path(data):
+    elif looks_like_path(data):
         raise ValueError(f"no such file or folder: {data!r}")
     else:
         yield from _hub_texts(data, split, text_column)
@@ -170,29 +174,107 @@ def load_texts(data: str, *, split: str = "train", text_column: str = "text") ->
     return list(stream_texts(data, split=split, text_column=text_column))
 
 
-def pack_samples(texts: Iterable[str], tokenizer, seq_len: int, num_samples: int) -> list[torch.Tensor]:
-    """Tokenize, join documents with EOS, and cut ``num_samples`` samples of exactly ``seq_len`` tokens.
+DEFAULT_SEQ_LEN = 8192
+"""Sample length when none is given: long enough to see the ranges of long contexts (cut to the text and to the
+model's positions, :func:`plan_samples`)."""
+DEFAULT_NUM_SAMPLES = 4
+"""Samples when no count is given (fewer when the text holds fewer distinct samples, :func:`plan_samples`)."""
+MIN_TEXT_TOKENS = 512
+"""Fewer text tokens than this is refused when no ``--seq-len`` is given: not even the first position bucket
+beyond the sinks (``<512``) would be seen."""
 
-    Each sample continues where the previous one ended; when the text runs out it wraps around to the start
-    (so samples repeat text once ``num_samples * seq_len`` exceeds it), because a long-context calibration
-    needs long samples more than it needs many distinct ones. ``texts`` is consumed only until there are
-    ``num_samples * seq_len`` tokens, so a streamed source is read no further. The CLI summary reports the
-    token count.
 
-    Returns:
-        ``num_samples`` tensors of shape ``[1, seq_len]``.
-
-    Raises:
-        ValueError: bad sizes, or fewer than ``seq_len`` tokens of text in total.
-    """
-    if seq_len < 1 or num_samples < 1:
-        raise ValueError(f"seq_len and num_samples must be >= 1, got {seq_len} and {num_samples}")
+def read_tokens(texts: Iterable[str], tokenizer, budget: int) -> list[int]:
+    """Token ids of ``texts`` joined with EOS (when the tokenizer has one), read until ``budget`` tokens: a
+    streamed source is read no further."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
     for text in texts:
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + eos)
-        if len(stream) >= seq_len * num_samples:
+        if len(stream) >= budget:
             break
+    return stream
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """How many samples of what length a calibration cuts from its text, and how often that re-reads the text.
+
+    ``text_tokens`` is the text read (up to the samples' total: a longer text is not read further);
+    ``distinct_tokens`` the text tokens the samples hold, each counted once; ``reads`` = sample tokens /
+    distinct tokens (1.0: no token used twice). ``notes``: plain-language warnings for the user.
+    """
+
+    seq_len: int
+    num_samples: int
+    text_tokens: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def sample_tokens(self) -> int:
+        return self.seq_len * self.num_samples
+
+    @property
+    def distinct_tokens(self) -> int:
+        return min(self.text_tokens, self.sample_tokens)
+
+    @property
+    def reads(self) -> float:
+        return self.sample_tokens / self.distinct_tokens
+
+
+def plan_samples(text_tokens: int, seq_len: int | None = None, num_samples: int | None = None,
+                 max_positions: int | None = None) -> SamplePlan:
+    """Sample length and count for ``text_tokens`` of text: what was asked for, or defaults fitted to the text.
+
+    A ``None`` ``seq_len`` is :data:`DEFAULT_SEQ_LEN`, cut to the model's ``max_positions`` and to the text; a
+    ``None`` ``num_samples`` is :data:`DEFAULT_NUM_SAMPLES`, cut to the distinct samples the text holds (at least
+    one). Values given are kept; a plan that reads the text more than once gets a note saying how often.
+
+    Raises:
+        ValueError: a text shorter than a given ``seq_len``, or shorter than :data:`MIN_TEXT_TOKENS` when
+            ``seq_len`` is left to the default.
+    """
+    notes = []
+    if seq_len is None:
+        if text_tokens < MIN_TEXT_TOKENS:
+            raise ValueError(f"the calibration text has {text_tokens} tokens, far too few to calibrate on (at least "
+                             f"{MIN_TEXT_TOKENS}; thousands for long-context ranges): give more text, or a --seq-len "
+                             "that it holds")
+        seq_len = min(DEFAULT_SEQ_LEN, max_positions or DEFAULT_SEQ_LEN)
+        if text_tokens < seq_len:
+            notes.append(f"the text has {text_tokens:,} tokens, fewer than the default --seq-len {seq_len}: one "
+                         f"sample of {text_tokens:,} tokens; positions beyond it are not calibrated (give more text)")
+            seq_len = text_tokens
+    elif text_tokens < seq_len:
+        raise ValueError(f"the calibration text has {text_tokens} tokens, fewer than one sample of --seq-len "
+                         f"{seq_len}; give more text or a shorter --seq-len")
+    if num_samples is None:
+        num_samples = max(1, min(DEFAULT_NUM_SAMPLES, text_tokens // seq_len))
+        if num_samples < DEFAULT_NUM_SAMPLES:
+            would = SamplePlan(seq_len, DEFAULT_NUM_SAMPLES, text_tokens).reads
+            notes.append(f"the text has {text_tokens:,} tokens: {num_samples} x {seq_len} instead of the default "
+                         f"{DEFAULT_NUM_SAMPLES} x {seq_len} samples, which would read it {would:.1f} times (give "
+                         "more text for more samples)")
+    plan = SamplePlan(seq_len, num_samples, text_tokens)
+    if plan.reads > 1:
+        notes.append(f"{num_samples} x {seq_len} sample tokens from {plan.distinct_tokens:,} distinct text tokens: "
+                     f"the text is read {plan.reads:.1f} times (the same text at other positions adds little; give "
+                     "more text or fewer --num-samples)")
+    return SamplePlan(seq_len, num_samples, text_tokens, tuple(notes))
+
+
+def cut_samples(stream: list[int], seq_len: int, num_samples: int) -> list[torch.Tensor]:
+    """``num_samples`` ``[1, seq_len]`` tensors, each continuing where the previous ended and wrapping around to
+    the start of ``stream`` when it runs out.
+
+    Raises:
+        ValueError: bad sizes, or ``stream`` shorter than one sample.
+    """
+    import torch
+
+    if seq_len < 1 or num_samples < 1:
+        raise ValueError(f"seq_len and num_samples must be >= 1, got {seq_len} and {num_samples}")
     if len(stream) < seq_len:
         raise ValueError(f"the calibration text has {len(stream)} tokens, fewer than one sample of "
                          f"--seq-len {seq_len}; give more text or a shorter --seq-len")
@@ -202,3 +284,22 @@ def pack_samples(texts: Iterable[str], tokenizer, seq_len: int, num_samples: int
         ids = (stream[offset:] + stream)[:seq_len] if offset + seq_len > len(stream) else stream[offset:offset + seq_len]
         samples.append(torch.tensor([ids], dtype=torch.long))
     return samples
+
+
+def pack_samples(texts: Iterable[str], tokenizer, seq_len: int, num_samples: int) -> list[torch.Tensor]:
+    """Tokenize, join documents with EOS, and cut ``num_samples`` samples of exactly ``seq_len`` tokens
+    (:func:`read_tokens`, then :func:`cut_samples`).
+
+    Each sample continues where the previous one ended; when the text runs out it wraps around to the start
+    (so samples repeat text once ``num_samples * seq_len`` exceeds it: :func:`plan_samples` says how often, and
+    the CLI warns). ``texts`` is consumed only until there are ``num_samples * seq_len`` tokens.
+
+    Returns:
+        ``num_samples`` tensors of shape ``[1, seq_len]``.
+
+    Raises:
+        ValueError: bad sizes, or fewer than ``seq_len`` tokens of text in total.
+    """
+    if seq_len < 1 or num_samples < 1:
+        raise ValueError(f"seq_len and num_samples must be >= 1, got {seq_len} and {num_samples}")
+    return cut_samples(read_tokens(texts, tokenizer, seq_len * num_samples), seq_len, num_samples)

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from . import bench, calibrate, demo, evals, hub
-from .args import Parser
+from .args import Parser, check_inputs
 
 __all__ = ["build_parser", "main"]
 
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         args.usage_parser.print_help()
         return 2
     try:
+        check_inputs(args)  # input paths exist: before anything heavy loads
         return args.func(args)
     # Bad input, a missing model package or eval extra, or a --model that is neither a folder nor a reachable Hub id
     # (OSError, FileNotFoundError included): one line on stderr, exit 2.

@@ -13,8 +13,9 @@ import argparse
 from collections.abc import Callable, Sequence
 
 __all__ = ["DTYPES", "Parser", "add_model_args", "add_threads_arg", "at_least", "command_line", "float_list",
-           "file_path", "folder_path", "fraction", "fraction_list", "int_list", "load_model_from_args", "model_source",
-           "name_list", "set_threads", "torch_dtype"]
+           "check_inputs", "existing_file", "fraction", "fraction_list", "input_arg", "input_problem", "int_list", "load_model_from_args",
+           "missing_path", "model_source",
+           "name_list", "output_file", "output_folder", "output_path", "set_threads", "torch_dtype"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -82,23 +83,86 @@ def name_list(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
     return parse
 
 
-def folder_path(text: str) -> str:
-    """argparse ``type=``: an output folder (created if missing); an existing file there is refused now, not
-    after the run."""
+def output_path(kind: str = "any", whole: bool = False) -> Callable[[str], str]:
+    """argparse ``type=``: where a command writes, checked now (a second, no model loaded) rather than at the
+    write after the run: the wrong kind of entry already there, a parent that cannot be created because an
+    ancestor is a file, or no permission to write there (:func:`hf_asymkv.core.fileio.output_problem`).
+
+    Args:
+        kind: ``"file"``, ``"folder"`` or ``"any"`` (the command decides later, from its other flags).
+        whole: a folder built beside itself and renamed into place (publish, export-vllm).
+    """
+    from ..core.fileio import output_problem
+
+    def parse(text: str) -> str:
+        problem = output_problem(text, kind, whole=whole)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+    parse.__name__ = f"output {kind}"
+    return parse
+
+
+output_file = output_path("file")
+"""argparse ``type=``: a file the command writes (see :func:`output_path`)."""
+output_folder = output_path("folder")
+"""argparse ``type=``: a folder the command writes files into (see :func:`output_path`)."""
+
+
+def missing_path(text: str) -> str:
+    """The one message every command gives for an input path that does not exist."""
+    return f"no such file or folder: {text!r}"
+
+
+def input_problem(text: str, kind: str = "any") -> str | None:
+    """Why ``text`` is not an input of ``kind`` (``"file"``, ``"folder"`` or ``"any"``) that exists; None when it is."""
     from pathlib import Path
 
-    if Path(text).expanduser().is_file():
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
-    return text
+    path = Path(text).expanduser()
+    if not path.exists():
+        return missing_path(text)
+    if kind == "file" and not path.is_file():
+        return f"{text!r} is a folder; give a file"
+    if kind == "folder" and not path.is_dir():
+        return f"{text!r} is a file; give a folder"
+    return None
 
 
-def file_path(text: str) -> str:
-    """argparse ``type=``: an output file; an existing folder there is refused now, not after the run."""
-    from pathlib import Path
+def existing_file(text: str) -> str | None:
+    """:func:`input_problem` for a file."""
+    return input_problem(text, "file")
 
-    if Path(text).expanduser().is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
-    return text
+
+def input_arg(parser: argparse.ArgumentParser, *flags: str, check: Callable[[str], str | None] = input_problem,
+              group=None, **kwargs) -> argparse.Action:
+    """``add_argument`` for a path the command reads; ``check(value)`` (default: it exists) runs when the command
+    starts (:func:`check_inputs`), before anything heavy loads.
+
+    Not an argparse ``type=``: parsing stays independent of files that an earlier step of a workflow makes (the
+    docs' commands are parsed by tests before those files exist); the refusal still comes within the second, with
+    one message for a missing path in every command (:func:`missing_path`).
+
+    Args:
+        group: the argument group (mutually exclusive or not) to add it to; ``parser`` keeps the check.
+    """
+    action = (group or parser).add_argument(*flags, **kwargs)
+    checks = parser.get_default("input_checks") or []
+    parser.set_defaults(input_checks=[*checks, (action.option_strings[0] if action.option_strings else action.dest,
+                                                action.dest, check)])
+    return action
+
+
+def check_inputs(args) -> None:
+    """Run the :func:`input_arg` checks of the parsed command (the inputs given).
+
+    Raises:
+        ValueError: ``"--scales: no such file or folder: 'x'"``, naming the flag.
+    """
+    for flag, dest, check in getattr(args, "input_checks", None) or []:
+        value = getattr(args, dest, None)
+        problem = check(value) if value is not None else None
+        if problem:
+            raise ValueError(f"{flag}: {problem}")
 
 
 def model_source(text: str) -> str:
@@ -193,4 +257,5 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     p.add_argument("--device-map", default=None,
                    help="accelerate device_map (overrides --device): auto, balanced, sequential, a device, or a JSON "
                         "object / .json file of module -> device, e.g. '{\"model.layers.0\": 0, \"lm_head\": \"cpu\"}'")
-    p.add_argument("--offload-folder", default=None, help="folder for the weights of 'disk' entries of --device-map")
+    p.add_argument("--offload-folder", type=output_folder, default=None,
+                   help="folder for the weights of 'disk' entries of --device-map")

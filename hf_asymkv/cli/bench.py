@@ -11,11 +11,11 @@ from .args import (
     add_threads_arg,
     at_least,
     command_line,
-    file_path,
-    folder_path,
     int_list,
     load_model_from_args,
     name_list,
+    output_file,
+    output_folder,
     set_threads,
     torch_dtype,
 )
@@ -76,7 +76,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--new-tokens", type=at_least(1), default=32, help="timed decode steps per repeat")
     p.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats")
     add_threads_arg(p)
-    p.add_argument("--out", type=folder_path, default=None,
+    p.add_argument("--out", type=output_folder, default=None,
                    help="folder for decode_speed.json, decode_speed.md and decode_speed.png")
     p.set_defaults(func=_cmd_bench)
 
@@ -93,5 +93,5 @@ def add_parsers(sub) -> None:
                    default="dynamic,asymkv,hf-quanto-int4,hf-fp8",
                    help=f"comma-separated scheme names, from: {', '.join(memory_schemes)}")
     p.add_argument("--decode-tokens", type=at_least(0), default=0, help="greedy steps after the prefill")
-    p.add_argument("--out", type=file_path, default=None, help="JSON file for the rows")
+    p.add_argument("--out", type=output_file, default=None, help="JSON file for the rows")
     p.set_defaults(func=_cmd_memory)

@@ -12,7 +12,8 @@ def _cmd_demo(args) -> int:
 
     set_threads(args.threads)
     model, tokenizer = load_model_from_args(args)
-    rows, info = run_demo(model, tokenizer, context_tokens=args.context, depth=args.depth, seed=args.seed)
+    rows, info = run_demo(model, tokenizer, context_tokens=args.context, depth=args.depth, seed=args.seed,
+                          timing_runs=args.repeats)
     print(format_demo(rows, info))
     return 0
 
@@ -23,5 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=at_least(64), default=3000, help="document length in tokens, >= 64")
     p.add_argument("--depth", type=fraction, default=0.35, help="needle depth in [0, 1]")
     p.add_argument("--seed", type=int, default=7, help="prompt seed")
+    p.add_argument("--repeats", type=at_least(2, zero_ok=True), default=0,
+                   help="time decoding over this many interleaved runs of each cache and show the median and range "
+                        "(0: no speed figure; a single run is noise on a busy machine)")
     add_threads_arg(p)
     p.set_defaults(func=_cmd_demo)

@@ -22,11 +22,14 @@ from .args import (
     add_threads_arg,
     at_least,
     command_line,
-    folder_path,
+    existing_file,
     fraction_list,
+    input_arg,
+    input_problem,
     int_list,
     load_model_from_args,
     name_list,
+    output_folder,
     set_threads,
 )
 
@@ -84,6 +87,13 @@ def _stress_of(meta: dict | None) -> str | None:
     return ((meta or {}).get("stress_outliers") or {}).get("spec")
 
 
+def _heartbeat(name: str):
+    """A line on stderr about once a minute, ``--quiet`` or not: where the run is and how long it has taken."""
+    from ..evals.common import Heartbeat
+
+    return Heartbeat(f"eval {name}")
+
+
 def _meta(args, model, seconds: float, **settings) -> dict:
     from ..evals.common import run_meta
 
@@ -111,7 +121,7 @@ def _cmd_needle(args) -> int:
                                                                 {"--lengths": args.lengths})
     start = time.perf_counter()
     rows = run_needle(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples, args.haystack, text,
-                      args.seed, show_progress=not args.quiet)
+                      args.seed, show_progress=not args.quiet, tick=_heartbeat("needle"))
     seconds = time.perf_counter() - start
     by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
     agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
@@ -145,7 +155,7 @@ def _cmd_attention(args) -> int:
     model, tokenizer, schemes, skipped, _, _ = _prepare(args, False, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_attention(model, tokenizer, schemes, args.length, args.samples, args.queries, seed=args.seed,
-                         show_progress=not args.quiet)
+                         show_progress=not args.quiet, tick=_heartbeat("attention"))
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else None
     induction = induction_scores(model, seed=args.seed, prefix_ids=bos)
     seconds = time.perf_counter() - start
@@ -172,7 +182,7 @@ def _cmd_ppl(args) -> int:
     model, tokenizer, schemes, skipped, text, source = _prepare(args, True, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_ppl(model, tokenizer, schemes, text, args.length, args.windows, args.prefix, args.chunk,
-                   show_progress=not args.quiet)
+                   show_progress=not args.quiet, tick=_heartbeat("ppl"))
     seconds = time.perf_counter() - start
     table = _headline(args.model, args.stress_outliers) + ppl_markdown(rows, skipped)
     print(table)
@@ -201,7 +211,7 @@ def _cmd_long_decode(args) -> int:
         args, True, {"--prompt-length + --steps": [args.prompt_length + args.steps]})
     start = time.perf_counter()
     rows = run_long_decode(model, tokenizer, schemes, text, args.prompt_length, args.steps, args.prompts,
-                           args.segment, args.seed, show_progress=not args.quiet)
+                           args.segment, args.seed, show_progress=not args.quiet, tick=_heartbeat("long-decode"))
     seconds = time.perf_counter() - start
     table = _headline(args.model, args.stress_outliers) + long_decode_markdown(rows, args.segment, skipped)
     print(table)
@@ -224,6 +234,10 @@ def _cmd_report(args) -> int:
     from ..evals.report import read_results, summary_markdown
 
     folder = Path(args.folder).expanduser()
+    if (folder / "frontier.json").is_file():  # redrawn from its JSON: table wording and figure of this version
+        print(_redraw_frontier(folder))
+        if not any((folder / f"{name}.json").is_file() for name in ("needle", "attention", "ppl")):
+            return 0
     needle, attention, ppl = read_results(folder)
     meta = next(part["meta"] for part in (needle, attention, ppl) if part)
     table = _headline(meta["model"], _stress_of(meta)) + summary_markdown(needle, attention, ppl)
@@ -240,47 +254,84 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _redraw_frontier(folder: Path) -> str:
+    """``frontier.md`` and ``frontier.png`` of a frontier run again from its ``frontier.json`` (rows as measured;
+    the Pareto check, the wording and the figure of this version). Returns the table."""
+    import json
+
+    from ..evals.frontier import FrontierRow, frontier_markdown, pareto_check, pareto_markdown
+    from ..evals.frontier_plot import frontier_title, plot_frontier
+
+    data = json.loads((folder / "frontier.json").read_text(encoding="utf-8"))
+    meta = data["meta"]
+    rows = [FrontierRow(**row) for row in data["rows"]]
+    prompts = len(meta["lengths"]) * len(meta["depths"]) * len(meta["tasks"]) * meta["samples"]
+    stress = _stress_of(meta)
+    table = (_headline(meta["model"], stress) + frontier_markdown(rows, prompts, data.get("skipped")) + "\n\n"
+             + pareto_markdown(pareto_check(rows)))
+    _write_md(folder / "frontier.md", meta, table)
+    plot_frontier(rows, frontier_title({**meta, "model": _model_name(meta["model"], stress)}), folder / "frontier.png")
+    return table
+
+
 def _cmd_frontier(args) -> int:
     from ..evals.frontier import DEFAULT_SCHEMES as FRONTIER_SCHEMES
-    from ..evals.frontier import frontier_markdown, pareto_check, pareto_markdown, plot_frontier, run_frontier
-    from ..evals.report import write_json
+    from ..evals.frontier import run_frontier
+    from ..evals.frontier_plot import frontier_title, plot_frontier
 
     if args.text_file is not None and not args.ppl_length and not args.decode_steps:
         raise ValueError("--text-file is the Δperplexity and long-decode text; --ppl-length 0 measures no perplexity "
                          "and --decode-steps 0 no long decode")
     args.schemes = args.schemes or list(FRONTIER_SCHEMES)
-    tasks = args.tasks
     lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else [],
-               "--ppl-length": [args.ppl_length] if args.ppl_length else [],
-               "--decode-prompt-length + --decode-steps": [args.decode_prompt_length + args.decode_steps]
-               if args.decode_steps else []}
-    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.ppl_length > 0 or args.decode_steps > 0,
-                                                                lengths)
-    start = time.perf_counter()
-    rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples,
+               "--ppl-length": [args.ppl_length] if args.ppl_length else []}
+    model, tokenizer, schemes, skipped, text, source = _prepare(args, args.ppl_length > 0, lengths)
+    settings = {"lengths": args.lengths, "depths": args.depths, "tasks": args.tasks, "samples": args.samples,
+                "attention_length": args.attention_length, "bytes_length": args.bytes_length or max(args.lengths),
+                "ppl_length": args.ppl_length, "ppl_windows": args.ppl_windows, "decode_steps": args.decode_steps,
+                "decode_prompt_length": args.decode_prompt_length, "text_source": source,
+                "seed": args.seed}
+    start, timeline = time.perf_counter(), []
+
+    def write(rows, status: str | None = None) -> str:
+        return _write_frontier(args, model, rows, schemes, skipped, time.perf_counter() - start,
+                               {**settings, "status": status or "complete", "timeline": timeline}, partial=status)
+
+    def save(state) -> None:  # after every unit of work: a run stopped midway leaves what it measured
+        timeline.append([state.status(), round(time.perf_counter() - start, 1)])
+        if args.out and not state.complete:
+            write(state.rows(), state.status())
+
+    rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, args.tasks, args.samples,
                         args.attention_length, args.bytes_length, args.seed, args.ppl_length, args.ppl_windows, text,
-                        args.decode_steps, args.decode_prompt_length, show_progress=not args.quiet)
-    seconds = time.perf_counter() - start
+                        args.decode_steps, args.decode_prompt_length, show_progress=not args.quiet, tick=_heartbeat("frontier"), on_step=save)
+    print(write(rows))
+    if args.out:
+        plot_frontier(rows, frontier_title({"model": _model_name(args.model, args.stress_outliers), **settings}), Path(args.out) / "frontier.png")
+    return 0
+
+
+def _write_frontier(args, model, rows, schemes, skipped, seconds: float, settings: dict,
+                    partial: str | None = None) -> str:
+    """The table and Pareto check; with ``--out``, ``frontier.json`` and ``frontier.md`` (atomically). ``partial``
+    (what was measured so far) marks the partial results written after each unit of work."""
+    from ..evals.frontier import frontier_markdown, pareto_check, pareto_markdown
+    from ..evals.report import write_json
+
     checks = pareto_check(rows)
-    prompts = len(args.lengths) * len(args.depths) * len(tasks) * args.samples
+    prompts = len(args.lengths) * len(args.depths) * len(args.tasks) * args.samples
     table = (_headline(args.model, args.stress_outliers) + frontier_markdown(rows, prompts, skipped) + "\n\n"
              + pareto_markdown(checks))
-    print(table)
+    if partial:
+        table = (f"**Partial results**: the run stopped or is still running; measured so far: {partial}. "
+                 "Unmeasured columns read -.\n\n" + table)
     if args.out:
         out = Path(args.out)
-        meta = _meta(args, model, seconds, lengths=args.lengths, depths=args.depths, tasks=tasks,
-                     samples=args.samples, attention_length=args.attention_length,
-                     bytes_length=args.bytes_length or max(args.lengths), ppl_length=args.ppl_length,
-                     ppl_windows=args.ppl_windows, decode_steps=args.decode_steps,
-                     decode_prompt_length=args.decode_prompt_length, text_source=source, seed=args.seed)
+        meta = _meta(args, model, seconds, **settings)
         write_json(out / "frontier.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                            "rows": [asdict(r) for r in rows], "pareto": checks})
         _write_md(out / "frontier.md", meta, table)
-        plot_frontier(rows, f"{_model_name(args.model, args.stress_outliers)}: damage per byte, ours vs peers "
-                      f"({prompts} needle prompts at {','.join(map(str, args.lengths))} tokens"
-                      + (f"; Δppl on {args.ppl_windows} x {args.ppl_length}-token text window(s))" if args.ppl_length
-                         else ")"), out / "frontier.png")
-    return 0
+    return table
 
 
 def _cmd_eval_synthetic(args) -> int:
@@ -321,6 +372,13 @@ def _add_stress_arg(p: argparse.ArgumentParser) -> None:
                    "labelled as a stress case")
 
 
+def _results_folder(text: str) -> str | None:
+    """Why ``text`` is not an existing folder that ``eval report`` can write its summary into (None: it is)."""
+    from ..core.fileio import output_problem
+
+    return input_problem(text, "folder") or output_problem(text, "folder")
+
+
 def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None,
             schemes: str = DEFAULT_SCHEMES) -> None:
     add_model_args(p)
@@ -330,25 +388,27 @@ def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None,
                    "added first as the reference; schemes a model cannot use are listed as skipped)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(p)
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--out", type=folder_path, default=None, help=f"folder for {name}.json, {name}.md and the figure")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (a line about once a minute still says "
+                   "where the run is)")
+    p.add_argument("--out", type=output_folder, default=None, help=f"folder for {name}.json, {name}.md and the figure")
     if text_flag:
         _add_text_file(p, text_flag)
 
 
 def _add_text_file(p: argparse.ArgumentParser, flag: str, use: str = "") -> None:
-    p.add_argument(flag, dest="text_file", default=None, help=f"local UTF-8 text file{use} (default: the "
-                   "built-in corpus, Python's pydoc_data.topics)")
+    input_arg(p, flag, dest="text_file", check=existing_file, default=None,
+                   help=f"local UTF-8 text file{use} (default: the built-in corpus, Python's pydoc_data.topics)")
 
 
 def add_parser(sub) -> None:
     """The ``eval`` command and its subcommands."""
-    p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity")
+    p = sub.add_parser("eval", help="evaluations: synthetic head, needle retrieval, attention damage, perplexity, "
+                                    "bytes-vs-damage frontier, report of a results folder")
     evals = p.add_subparsers(dest="eval_command", title="evaluations", metavar="EVAL")
     p.set_defaults(func=None, usage_parser=p)  # `hf-asymkv eval` alone lists the evaluations
     e = evals.add_parser("synthetic", help="the reference article's synthetic head, our quantizers, several seeds")
     e.add_argument("--seeds", type=at_least(1), default=5, help="number of random heads")
-    e.add_argument("--out", type=folder_path, default=None, help="folder for synthetic.json and synthetic.md")
+    e.add_argument("--out", type=output_folder, default=None, help="folder for synthetic.json and synthetic.md")
     e.set_defaults(func=_cmd_eval_synthetic)
 
     e = evals.add_parser("needle", help="RULER-style needle retrieval grid (length x depth x task) per scheme")
@@ -417,10 +477,14 @@ def add_parser(sub) -> None:
     _add_text_file(e, "--text-file", " for Δperplexity and the long-decode prompts")
     e.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(e)
-    e.add_argument("--quiet", action="store_true", help="no progress bar")
-    e.add_argument("--out", type=folder_path, default=None, help="folder for frontier.json, frontier.md and frontier.png")
+    e.add_argument("--quiet", action="store_true", help="no progress bars (a line about once a minute still says "
+                   "where the run is)")
+    e.add_argument("--out", type=output_folder, default=None, help="folder for frontier.json, frontier.md and frontier.png")
     e.set_defaults(func=_cmd_frontier)
 
-    e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity")
-    e.add_argument("folder", help="an --out folder holding needle.json / attention.json / ppl.json")
+    e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity; a "
+                                        "frontier run's table and figure drawn again from its frontier.json")
+    input_arg(e, "folder", check=_results_folder,
+                   help="an --out folder holding needle.json / attention.json / ppl.json / frontier.json (summary.md, "
+                        "frontier.md and the figures are written into it)")
     e.set_defaults(func=_cmd_report)

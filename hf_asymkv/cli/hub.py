@@ -1,29 +1,41 @@
-"""`hf-asymkv publish` (scales + settings + model card, optionally to the Hub) and `hf-asymkv export-vllm`."""
+"""`hf-asymkv publish` (scales + settings + model card, optionally to the Hub) and `hf-asymkv export-vllm`.
+
+Every path is checked while the command line is parsed (:mod:`.args`), and the output folder's contents before
+anything heavy is imported, so a wrong path is refused within the second. The cache settings offered (choices
+and the defaults ``--help`` shows) are the core's own (:mod:`.settings`).
+"""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
+from .args import at_least, existing_file, input_arg, model_source, output_path
+from .settings import core_settings
+
 __all__ = ["add_parsers"]
+
+SETTING_FLAGS = ("key_format", "value_bits", "key_block_size", "residual_length", "sink_tokens", "key_symmetric",
+                 "value_rotation", "overflow_policy")
+"""The ``AsymKVConfig`` fields ``publish`` takes as flags (``--key-format`` ...), over ``--preset`` or the defaults."""
+
+
+def _check_new_folder(out: str, overwrite: bool) -> None:
+    """A non-empty ``--out`` folder without ``--overwrite`` is refused before anything heavy is imported (with
+    ``--overwrite`` the writer checks that it is a folder this tool wrote)."""
+    from ..core.fileio import check_out_dir
+
+    if not overwrite:
+        check_out_dir(Path(out).expanduser(), False, marker="")
 
 
 def _cmd_publish(args) -> int:
-    from pathlib import Path
-
+    _check_new_folder(args.out, args.overwrite)
     from ..hub.publish import publish, push_to_hub
 
-    if args.push_to_hub is not None:  # an invalid repo id fails before anything is written
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(args.push_to_hub)
-        except HFValidationError as exc:
-            raise ValueError(f"--push-to-hub: invalid Hub repo id {args.push_to_hub!r}: {exc}") from None
-    if not Path(args.scales).expanduser().is_file():
-        raise ValueError(f"--scales: file {args.scales!r} does not exist")
-    overrides = {key: getattr(args, key) for key in ("key_format", "value_bits", "key_block_size",
-                                                     "residual_length", "sink_tokens", "overflow_policy")
-                 if getattr(args, key) is not None}
+    overrides = {key: getattr(args, key) for key in SETTING_FLAGS if getattr(args, key) is not None}
     out = publish(args.model, args.scales, args.out, eval_results=args.eval_results, settings=overrides,
-                  overwrite=args.overwrite, base_model=args.base_model, license=args.license,
+                  preset=args.preset, overwrite=args.overwrite, base_model=args.base_model, license=args.license,
                   repo_id=args.push_to_hub)
     print(f"wrote {out} (kv_scales.safetensors, asymkv_config.json, README.md"
           f"{', eval/' if args.eval_results else ''})")
@@ -33,10 +45,20 @@ def _cmd_publish(args) -> int:
     return 0
 
 
-def _checkpoint_folder(model: str):
-    """A local safetensors folder for ``--model``: the default model's cached folder, a folder, or a Hub snapshot."""
-    from pathlib import Path
+def _hub_repo_id(text: str) -> str:
+    """argparse ``type=``: ``--push-to-hub``; an invalid repo id fails before anything is written."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    try:
+        validate_repo_id(text)
+    except HFValidationError as exc:
+        raise argparse.ArgumentTypeError(f"invalid Hub repo id {text!r}: {exc}") from None
+    return text
+
+
+def _checkpoint_folder(model: str) -> Path:
+    """A local safetensors folder for ``--model`` (already checked by :func:`.args.model_source`): the default
+    model's cached folder, a folder, or a Hub snapshot."""
     from ..models import DEFAULT_MODEL, default_model_path
 
     if model == DEFAULT_MODEL:
@@ -47,8 +69,6 @@ def _checkpoint_folder(model: str):
     folder = Path(model).expanduser()
     if folder.is_dir():
         return folder
-    if folder.exists() or model.startswith((".", "/", "~")):
-        raise ValueError(f"--model {model!r} is not a checkpoint folder")
     from huggingface_hub import snapshot_download
 
     try:  # a Hub id: only what a serving checkpoint needs (no .bin / .pt duplicates)
@@ -58,55 +78,104 @@ def _checkpoint_folder(model: str):
         raise ValueError(f"--model {model!r}: not a local folder and not downloadable from the Hub: {exc}") from None
 
 
-def _cmd_export_vllm(args) -> int:
-    from pathlib import Path
+def _check_export_args(args) -> None:
+    """What ``export-vllm`` can refuse from its flags and the file system alone, before anything heavy loads."""
+    from ..core.fileio import output_problem
 
-    from ..core.scales import KVScales
-    from ..hub.vllm import export_vllm, read_vllm_scales
-    from ..models import load_config
-
-    if args.from_checkpoint is not None:  # vLLM / llm-compressor checkpoint -> our scales file
+    importing = args.from_checkpoint is not None
+    problem = output_problem(args.out, "file" if importing else "folder", whole=True)
+    if problem:
+        raise ValueError(f"--out: {problem}" + ("; with --from-checkpoint give a .safetensors file" if importing
+                                                else ""))
+    if importing:
         if args.strategy is not None or args.tp_size != 1:
             raise ValueError("--strategy and --tp-size shape an export; --from-checkpoint reads the scales as they are")
-        ckpt = Path(args.from_checkpoint).expanduser()
-        if not ckpt.exists():
-            raise ValueError(f"--from-checkpoint: {args.from_checkpoint!r} does not exist")
-        model = args.model
-        if model is None:
-            if not (ckpt.is_dir() and (ckpt / "config.json").is_file()):
-                raise ValueError("--from-checkpoint needs --model (the checkpoint has no config.json)")
-            model = str(ckpt)
-        out = Path(args.out).expanduser()
-        if out.is_dir():
-            raise ValueError(f"--out {args.out!r} is a folder; with --from-checkpoint give a .safetensors file")
-        if out.exists() and not args.overwrite:
+        if args.model is None and not (Path(args.from_checkpoint).expanduser() / "config.json").is_file():
+            raise ValueError("--from-checkpoint needs --model (the checkpoint has no config.json)")
+        if Path(args.out).expanduser().exists() and not args.overwrite:
             raise ValueError(f"--out {args.out!r} exists; pass --overwrite to replace it")
-        scales = read_vllm_scales(ckpt, load_config(model), model_id=model)
-        scales.save(out)
+        return
+    if args.model is None and (args.strategy not in (None, "tensor") or args.tp_size != 1):
+        raise ValueError("--strategy attn_head and --tp-size need --model (they shape a complete checkpoint; the "
+                         "scales-only export is per-tensor)")
+    _check_new_folder(args.out, args.overwrite)
+
+
+def _cmd_export_vllm(args) -> int:
+    _check_export_args(args)
+    if args.from_checkpoint is not None:  # vLLM / llm-compressor checkpoint -> our scales file
+        from ..hub.vllm import read_vllm_scales
+        from ..models import load_config
+
+        model = args.model or args.from_checkpoint
+        scales = read_vllm_scales(args.from_checkpoint, load_config(model), model_id=model)
+        out = scales.save(Path(args.out).expanduser())
         print(f"wrote {out} ({len(scales.k_channel_absmax)} layers; {scales.metadata['statistic']} ranges imported "
-              f"from {ckpt})")
+              f"from {args.from_checkpoint})")
         return 0
-    scales_path = Path(args.scales).expanduser()
-    if not scales_path.is_file():
-        raise ValueError(f"--scales: file {args.scales!r} does not exist")
     if args.model is not None:  # a complete serving checkpoint
         from ..hub.serving import export_serving_checkpoint
 
-        out = export_serving_checkpoint(_checkpoint_folder(args.model), scales_path, args.out,
+        out = export_serving_checkpoint(_checkpoint_folder(args.model), args.scales, args.out,
                                         strategy=args.strategy or "tensor", tp_size=args.tp_size,
                                         overwrite=args.overwrite)
         print(f"wrote {out}: the checkpoint with {args.strategy or 'tensor'} FP8 KV scales; serve with:\n"
               f"  vllm serve {out} --kv-cache-dtype fp8\n"
               f"  python -m sglang.launch_server --model-path {out} --kv-cache-dtype fp8_e4m3")
+        _note_private_links(out)
         return 0
-    if args.strategy not in (None, "tensor") or args.tp_size != 1:
-        raise ValueError("--strategy attn_head and --tp-size need --model (they shape a complete checkpoint; the "
-                         "scales-only export is per-tensor)")
-    scales = KVScales.load(scales_path)
+    from ..core.scales import KVScales
+    from ..hub.vllm import export_vllm
+
+    scales = KVScales.load(Path(args.scales).expanduser())
     out = export_vllm(scales, args.out, overwrite=args.overwrite)
     print(f"wrote {out} (kv_scales.safetensors with {2 * len(scales.k_channel_absmax)} per-tensor scales, "
           "kv_cache_scheme.json, README.md); for a checkpoint vLLM loads as is, pass --model CHECKPOINT")
     return 0
+
+
+def _note_private_links(out: Path) -> None:
+    """Weights are hard-linked, and a link shares its source's permissions: say so when some are narrower than a
+    new file's (a checkpoint written by safetensors is 0600)."""
+    import sys
+
+    from ..core.fileio import usual_mode
+
+    narrow = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mode & 0o777 != usual_mode())
+    if narrow:
+        print(f"note: {', '.join(narrow[:4])}{' ...' if len(narrow) > 4 else ''} keep the permissions of the "
+              f"checkpoint's files (hard links share them: mode {oct(out.joinpath(narrow[0]).stat().st_mode & 0o777)}"
+              "); chmod the source files if others must read the export", file=sys.stderr)
+
+
+def _add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """``--preset`` and one flag per :data:`SETTING_FLAGS` field; choices and defaults are the core's."""
+    core = core_settings()
+    d = core.defaults
+    g = p.add_argument_group("recommended cache settings (default: AsymKVConfig(), the 'balanced' preset; a flag "
+                             "overrides the preset's or the default value)")
+    g.add_argument("--preset", default=None, choices=core.presets,
+                   help=f"start from this preset of hf_asymkv.PRESETS, one of {', '.join(core.presets)}; a preset "
+                        "with asymmetric keys needs --key-symmetric, as calibrated ranges serve symmetric keys "
+                        "(default: none, i.e. AsymKVConfig()'s values)")
+    g.add_argument("--key-format", default=None, choices=core.key_formats,
+                   help=f"key storage format, one of {', '.join(core.key_formats)} (default {d['key_format']})")
+    g.add_argument("--value-bits", type=int, default=None, choices=core.value_bits,
+                   help=f"value bits, one of {', '.join(map(str, core.value_bits))} (default {d['value_bits']})")
+    g.add_argument("--key-block-size", type=at_least(1), default=None,
+                   help=f"tokens per quantized block (default {d['key_block_size']})")
+    g.add_argument("--residual-length", type=at_least(0), default=None,
+                   help=f"newest tokens kept exact (default {d['residual_length']})")
+    g.add_argument("--sink-tokens", type=at_least(0), default=None,
+                   help=f"first tokens kept exact (default {d['sink_tokens']})")
+    g.add_argument("--key-symmetric", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"symmetric key codes; --no-key-symmetric: scale and zero per channel block, for the 4/3/2-bit "
+                        f"integer key formats (default {'on' if d['key_symmetric'] else 'off'})")
+    g.add_argument("--value-rotation", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"store values Hadamard-rotated (default {'on' if d['value_rotation'] else 'off'})")
+    g.add_argument("--overflow-policy", default=None, choices=core.overflow_policies,
+                   help=f"what a key beyond its calibrated range does, one of {', '.join(core.overflow_policies)} "
+                        f"(default {d['overflow_policy']})")
 
 
 def add_parsers(sub) -> None:
@@ -118,29 +187,22 @@ def add_parsers(sub) -> None:
                                    "config), asymkv_config.json (recommended AsymKVCache settings) and a README.md "
                                    "model card; load it back with AsymKVCache.from_pretrained(OUT or REPO, "
                                    "config=model.config).")
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=DEFAULT_MODEL, type=model_source,
                    help=f"model the scales belong to: HF model id, local folder or .gguf file; only its config is "
                         f"read (default: the embedded {DEFAULT_MODEL})")
-    p.add_argument("--scales", required=True, help="kv_scales.safetensors file from `hf-asymkv calibrate`")
-    p.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
-    p.add_argument("--eval-results", default=None,
+    input_arg(p, "--scales", required=True, check=existing_file, help="kv_scales.safetensors file from `hf-asymkv "
+                                                                      "calibrate`")
+    p.add_argument("--out", required=True, type=output_path("folder", whole=True),
+                   help="folder to create (must not exist or be empty)")
+    input_arg(p, "--eval-results", default=None,
                    help="folder of .md/.json result files (or one such file), quoted verbatim in the card")
-    p.add_argument("--push-to-hub", default=None, metavar="REPO",
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", type=_hub_repo_id,
                    help="also upload the folder to this Hub model repo (created if missing; needs a login/HF_TOKEN)")
     p.add_argument("--private", action="store_true", help="create the Hub repo private")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is an earlier publish folder")
     p.add_argument("--base-model", default=None, help="base model Hub id for the card (default: inferred if known)")
     p.add_argument("--license", default=None, help="license id for the card front matter (default: inferred if known)")
-    g = p.add_argument_group("recommended cache settings (default: the library's recommendation)")
-    g.add_argument("--key-format", default=None, choices=["int8", "fp8_e4m3", "fp8_e5m2", "int4", "int2"],
-                   help="key storage format (default int8)")
-    g.add_argument("--value-bits", type=int, default=None, choices=[2, 4, 8], help="value bits (default 4)")
-    g.add_argument("--key-block-size", type=int, default=None, help="tokens per quantized block (default 128)")
-    g.add_argument("--residual-length", type=int, default=None,
-                   help="newest tokens kept exact (default 128)")
-    g.add_argument("--sink-tokens", type=int, default=None, help="first tokens kept exact (default 0)")
-    g.add_argument("--overflow-policy", default=None,
-                   help="what a key beyond its calibrated range does (default widen)")
+    _add_setting_flags(p)
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser("export-vllm", help="write a checkpoint with FP8 KV scales for vLLM/SGLang, or import them back",
@@ -152,17 +214,19 @@ def add_parsers(sub) -> None:
                                    "config snippet. --from-checkpoint CKPT --out F.safetensors: read the KV scales of "
                                    "a vLLM / llm-compressor checkpoint into an hf-asymkv scales file.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--scales", default=None, help="our kv_scales.safetensors file to export")
-    src.add_argument("--from-checkpoint", default=None, metavar="CKPT",
+    input_arg(p, "--scales", group=src, default=None, check=existing_file,
+              help="our kv_scales.safetensors file to export")
+    input_arg(p, "--from-checkpoint", group=src, default=None, metavar="CKPT",
                      help="checkpoint folder (or .safetensors file) holding k_scale/v_scale (per tensor or per head) "
                           "to import")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", default=None, type=model_source,
                    help="with --scales: the checkpoint to add the scales to (safetensors folder, Hub id, or "
                         f"{DEFAULT_MODEL}); with --from-checkpoint: its config, needed unless CKPT has a config.json")
-    p.add_argument("--out", required=True, help="export folder, or with --from-checkpoint the scales file to write")
+    p.add_argument("--out", required=True, type=output_path("any", whole=True),
+                   help="export folder, or with --from-checkpoint the scales file to write")
     p.add_argument("--strategy", default=None, choices=["tensor", "attn_head"],
                    help="with --model: one FP8 scale per layer (tensor, default) or per KV head (attn_head)")
-    p.add_argument("--tp-size", type=int, default=1,
+    p.add_argument("--tp-size", type=at_least(1), default=1,
                    help="with --model: tensor-parallel ranks listed in SGLang's kv_cache_scales.json (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export folder / existing file")
     p.set_defaults(func=_cmd_export_vllm)

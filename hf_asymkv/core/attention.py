@@ -2,7 +2,8 @@
 
 With the default attention, :class:`~hf_asymkv.core.layer.AsymKVLayer` hands transformers dense K/V: every closed
 block is decoded into a full-precision ``[B, H, seq, D]`` tensor at each step. After :func:`register` and
-loading the model with ``attn_implementation="asymkv_sdpa"``, the layers hand over a :class:`QuantizedKV`
+loading the model with ``attn_implementation="asymkv_sdpa"``, the layers hand over a
+:class:`~hf_asymkv.core.kv_view.QuantizedKV`
 instead and this module's attention never builds dense K or V for the quantized region:
 
 - keys (scales per block and channel, i.e. ``channel``/``tensor`` granularity): the scale is folded into the
@@ -25,15 +26,14 @@ transformers' SDPA too, so results are always those of the reference path up to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
-from .quant import QuantSpec, decode_codes, dequantize
-from .rotation import dequantize_rotated, rotate, unrotate
+from .backend import triton_fused_attention
+from .kv_view import QuantizedKV, SinkOverlayView, write_rows
+from .quant import decode_codes
+from .rotation import rotate, unrotate
 
-__all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "QuantizedKV", "asymkv_sdpa_attention", "fused_attention",
-           "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "asymkv_sdpa_attention", "fused_attention", "register"]
 
 ATTN_IMPLEMENTATION = "asymkv_sdpa"
 FUSED_MAX_QUERY_TOKENS = 16
@@ -42,74 +42,9 @@ over a 32k history (GQA 3 query heads per KV head, head_dim 64) the scaled queri
 1,000 tokens they would take ~600 MiB and the scores ~1.2 GiB."""
 
 
-@dataclass
-class QuantizedKV:
-    """One layer's K or V as stored: ``[prefix (exact)][quantized codes][tail (exact)]`` along the token axis.
-
-    Attributes:
-        prefix: ``[B, H, ns, D]`` exact sink tokens, or None.
-        codes: ``[B, H, N, packed_dim]`` codes of the quantized region (N may be 0).
-        scale, zero: ``[B, H, N // tg, D // cg]`` (zero None for symmetric specs).
-        spec, block_size: how the codes were made (``spec.rotated``: the codes hold ``x @ H``).
-        tail: ``[B, H, m, D]`` exact recent tokens (those quantized in this very call included).
-    """
-
-    prefix: torch.Tensor | None
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor | None
-    spec: QuantSpec
-    block_size: int
-    tail: torch.Tensor
-
-    @property
-    def n_prefix(self) -> int:
-        return 0 if self.prefix is None else self.prefix.shape[2]
-
-    @property
-    def shape(self) -> torch.Size:
-        b, h, m, d = self.tail.shape
-        return torch.Size((b, h, self.n_prefix + self.codes.shape[2] + m, d))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tail.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.tail.device
-
-    def to(self, device: torch.device | str) -> QuantizedKV:
-        """The same K or V on ``device`` (KV-sharing layers move what they borrow, e.g. Gemma4 in transformers
-        5.13-5.22, which hands the source layer's read-out to the consumer layers)."""
-        if torch.device(device) == self.device:
-            return self
-
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return replace(self, prefix=move(self.prefix), codes=move(self.codes), scale=move(self.scale),
-                       zero=move(self.zero), tail=move(self.tail))
-
-    def dense(self) -> torch.Tensor:
-        """``[B, H, seq, D]`` in the tail's dtype: the reference read-out (one vectorized decode)."""
-        ns, n = self.n_prefix, self.codes.shape[2]
-        if ns == 0 and n == 0:
-            return self.tail
-        out = self.tail.new_empty(self.shape)
-        if ns:
-            out[:, :, :ns] = self.prefix
-        if n:
-            read = dequantize_rotated if self.spec.rotated else dequantize
-            read(self.codes, self.scale, self.zero, self.spec, self.block_size, dtype=out.dtype,
-                 out=out[:, :, ns : ns + n])
-        out[:, :, ns + n :] = self.tail
-        return out
-
-
 def _foldable(kv: QuantizedKV, head_dim: int) -> bool:
     """Scales shared by whole blocks (channel/tensor granularity) fold into the query or the weights."""
-    return kv.spec.groups(head_dim, kv.block_size)[0] == kv.block_size
+    return kv.spec.groups(head_dim)[0] == kv.spec.block_size
 
 
 def _expand_channels(meta: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -123,8 +58,8 @@ def _key_scores(q: torch.Tensor, k: QuantizedKV) -> torch.Tensor:
     Per block ``b``: ``q . (s_b * c + z_b) = (q * s_b) . c + q . z_b``.
     """
     b, h, nq, d = q.shape
-    n, bs = k.codes.shape[2], k.block_size
-    codes = decode_codes(k.codes, k.spec, bs, dtype=q.dtype).view(b, h, n // bs, bs, d)
+    n, bs = k.n_quantized, k.spec.block_size
+    codes = decode_codes(k.codes, k.spec, dtype=q.dtype).view(b, h, n // bs, bs, d)
     scale = _expand_channels(k.scale.to(q.dtype), d)  # [B, H, nblk, D]
     qs = q[:, :, None] * scale[:, :, :, None, :]  # [B, H, nblk, Q, D]
     scores = qs @ codes.transpose(-1, -2)  # [B, H, nblk, Q, bs]
@@ -137,8 +72,8 @@ def _key_scores(q: torch.Tensor, k: QuantizedKV) -> torch.Tensor:
 def _value_mix(p: torch.Tensor, v: QuantizedKV, head_dim: int) -> torch.Tensor:
     """``p @ V_quant`` without dequantizing V: ``[B, H, Q, D]`` for weights ``p`` ``[B, H, Q, N]``."""
     b, h, nq, n = p.shape
-    tg, cg = v.spec.groups(head_dim, v.block_size)
-    codes = decode_codes(v.codes, v.spec, v.block_size, dtype=p.dtype)  # [B, H, N, D]
+    tg, cg = v.spec.groups(head_dim)
+    codes = decode_codes(v.codes, v.spec, dtype=p.dtype)  # [B, H, N, D]
     scale = v.scale.to(p.dtype)
     zero = None if v.zero is None else v.zero.to(p.dtype)
     if tg == 1:  # per-token groups of cg channels: fold the scale into the weights, group by group
@@ -184,6 +119,17 @@ def _mask_bias(attention_mask: torch.Tensor | None, b: int, h: int, n_rep: int, 
     return mask.to(dtype).expand(b, heads, q_len, kv_len).reshape(b, -1, n_rep * q_len, kv_len)
 
 
+def _overlay_scores(q: torch.Tensor, overlay: SinkOverlayView, bias: torch.Tensor | None, kv_len: int
+                    ) -> torch.Tensor:
+    """Scores ``[B, H, R, S]`` of the exact sink overlay: ``q`` against its tokens, with the mask of their positions;
+    slots outside the quantized region are -inf (they are attended where they lie, exact)."""
+    scores = q @ overlay.tokens.to(q.dtype).transpose(-1, -2)
+    if bias is not None:
+        index = overlay.positions.clamp(max=kv_len - 1)[:, None, None, :]
+        scores = scores + bias.gather(-1, index.expand(*bias.shape[:3], index.shape[-1]))
+    return scores.masked_fill(~overlay.valid[:, None, None, :], float("-inf"))
+
+
 def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, attention_mask: torch.Tensor | None,
                     scaling: float) -> torch.Tensor:
     """Softmax attention of ``query`` ``[B, Hq, q, D]`` over quantized K/V; returns ``[B, q, Hq, D_v]``.
@@ -198,16 +144,24 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     q = (query.to(work) * scaling).reshape(b, h, n_rep * q_len, d)  # query is often a transposed view
     k_pre, k_tail = _parts(key)
     v_pre, v_tail = _parts(value)
-    n = key.codes.shape[2]
+    n, ns = key.n_quantized, k_pre.shape[2]
     q_codes = rotate(q).to(work) if key.spec.rotated else q  # rotated keys: q . k = (q H) . (k H)
-    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), _key_scores(q_codes, key) if n else q[..., :0],
+    quantized = _key_scores(q_codes, key) if n else q[..., :0]
+    overlay = key.overlay if n else None
+    if overlay is not None:  # padded rows' exact sinks replace their quantized positions (one more segment below)
+        write_rows(quantized, 3, overlay.positions - ns, overlay.valid, float("-inf"))
+    scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), quantized,
                         q @ k_tail.to(work).transpose(-1, -2)], dim=-1)  # [B, H, n_rep*q, kv]
-    bias = _mask_bias(attention_mask, b, h, n_rep, q_len, scores.shape[-1], work, query.device)
+    kv_len = scores.shape[-1]
+    bias = _mask_bias(attention_mask, b, h, n_rep, q_len, kv_len, work, query.device)
     if bias is not None:
         scores = scores + bias
+    if overlay is not None:
+        scores = torch.cat([scores, _overlay_scores(q, overlay, bias, kv_len)], dim=-1)
     p = scores.softmax(dim=-1)
-    ns = k_pre.shape[2]
-    out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n :] @ v_tail.to(work)
+    out = p[..., :ns] @ v_pre.to(work) + p[..., ns + n : kv_len] @ v_tail.to(work)
+    if overlay is not None:
+        out += p[..., kv_len:] @ value.overlay.tokens.to(work)
     if n:  # rotated values: mix the rotated codes, rotate the [B, H, n_rep*q, D] result back (cheaper than V)
         mixed = _value_mix(p[..., ns : ns + n], value, value.tail.shape[-1])
         out += unrotate(mixed) if value.spec.rotated else mixed
@@ -215,13 +169,27 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     return out.view(b, h, n_rep, q_len, dv).reshape(b, hq, q_len, dv).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def _refused(module, key: QuantizedKV, dropout: float, kwargs: dict) -> str | None:
+    """A feature of the call that neither fused backend serves (such calls decode densely), or None."""
+    for name in ("sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            return f"attention with {name}"
+    if dropout > 0 and module.training:
+        return f"dropout {dropout} in training"
+    if not _foldable(key, key.tail.shape[-1]):
+        return f"keys with one scale per {key.spec.granularity!r} group (not per block)"
+    return None
+
+
 def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           is_causal=None, **kwargs):
     """transformers attention function (``AttentionInterface``) for ``attn_implementation="asymkv_sdpa"``.
 
     Dense K/V (layers that are not quantized, or nothing quantized yet) go to transformers' SDPA unchanged;
-    :class:`QuantizedKV` goes through :func:`fused_attention` when it can be folded and the query has at most
-    :data:`FUSED_MAX_QUERY_TOKENS` tokens, else is decoded densely.
+    :class:`~hf_asymkv.core.kv_view.QuantizedKV` goes through the fused attention when it can be folded and the query has at most
+    :data:`FUSED_MAX_QUERY_TOKENS` tokens, else is decoded densely. The fused attention runs on the backend
+    ``HF_ASYMKV_ATTENTION_BACKEND`` picks (:func:`~hf_asymkv.core.backend.triton_fused_attention`): the Triton
+    kernel (CUDA tensors, by default) or :func:`fused_attention`.
     Returns ``(attn_output [B, q, Hq, D], None)`` like the SDPA path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -232,13 +200,14 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support `softcap` (neither does `sdpa`); load the "
                          "model with attn_implementation='eager' for soft-capped attention.")
     if isinstance(key, QuantizedKV):
-        d = key.tail.shape[-1]
-        unsupported = (kwargs.get("sliding_window") is not None
-                       or kwargs.get("s_aux") is not None or (dropout > 0 and module.training)
-                       or not _foldable(key, d) or query.shape[2] > FUSED_MAX_QUERY_TOKENS)
-        if key.codes.shape[2] and not unsupported:
-            scale = scaling if scaling is not None else d**-0.5
-            return fused_attention(query, key, value, attention_mask, scale), None
+        if key.n_quantized and query.shape[2] <= FUSED_MAX_QUERY_TOKENS:
+            refused = _refused(module, key, dropout, kwargs)
+            scale = scaling if scaling is not None else key.tail.shape[-1] ** -0.5
+            out = triton_fused_attention(query, key, value, attention_mask, scale, refused)
+            if out is not None:
+                return out, None
+            if refused is None:
+                return fused_attention(query, key, value, attention_mask, scale), None
         key, value = key.dense(), value.dense()
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
@@ -250,7 +219,7 @@ def register() -> str:
     Nothing is registered on import. Use it with
     ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="asymkv_sdpa")`` (or
     ``model.set_attn_implementation("asymkv_sdpa")``); an :class:`~hf_asymkv.AsymKVCache` built from such a
-    model's config hands its layers' K/V over as :class:`QuantizedKV`. Masks are those of SDPA.
+    model's config hands its layers' K/V over as :class:`~hf_asymkv.core.kv_view.QuantizedKV`. Masks are those of SDPA.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask

@@ -17,49 +17,16 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicCache
 
 from .attention import ATTN_IMPLEMENTATION
-from .compat import cache_layer_types, reset_layer
+from .compat import reset_layer
 from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
 from .layer import AsymKVLayer
+from .reuse import ReuseWatch
 from .scales import KVScales
+from .shapes import SLIDING_LAYER_TYPES, LayerShape, kv_layer_indices, layer_shapes, layer_types
 
 __all__ = ["AsymKVCache", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
-
-SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-"""Layer types kept in transformers' own bounded full-precision sliding-window layer."""
-
-
-def _head_dim(config: PreTrainedConfig) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None:
-        head_dim = config.hidden_size // config.num_attention_heads
-    return int(head_dim)
-
-
-def _layer_configs(config: PreTrainedConfig, n_layers: int) -> list[PreTrainedConfig]:
-    """One config per layer: heterogeneous configs (e.g. Gemma4, whose full-attention layers have their own
-    ``head_dim``) refuse global reads of per-layer attributes, so those are read from each layer's view. The cache
-    may have fewer layers than the config (transformers < 5.23 drops trailing KV-sharing layers)."""
-    per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is None or len(per_layer) < n_layers:
-        return [config] * n_layers
-    return [per_layer[i] for i in range(n_layers)]
-
-
-def layer_types(config: PreTrainedConfig) -> list[str]:
-    """Per-layer cache type of a (text) config, exactly as transformers' own `DynamicCache` sees it.
-
-    KV-sharing consumer layers and MLP/MoE-only layers come back as ``"dummy"`` (transformers 5.23+; older
-    releases leave KV-sharing layers out); missing ``layer_types`` are inferred per layer, the resolution
-    `DynamicCache` itself uses (:func:`~hf_asymkv.core.compat.cache_layer_types`).
-    """
-    return cache_layer_types(config)
-
-
-def kv_layer_indices(config: PreTrainedConfig) -> list[int]:
-    """Indices of the layers that hold KV (full or sliding attention) of a model config."""
-    types = layer_types(config.get_text_config(decoder=True))
-    return [i for i, t in enumerate(types) if t == "full_attention" or t in SLIDING_LAYER_TYPES]
-
+"""``SLIDING_LAYER_TYPES``, ``kv_layer_indices`` and ``layer_types`` live in :mod:`hf_asymkv.core.shapes`; they are
+served here too for code written against earlier releases."""
 
 class AsymKVCache(Cache):
     """Asymmetric KV cache: keys 8-bit per channel, values 4-bit per token, recent tokens exact.
@@ -74,11 +41,12 @@ class AsymKVCache(Cache):
             (what ``scales`` provides; give one or the other).
         **settings: any :class:`hf_asymkv.AsymKVConfig` field (``key_format``: one of
             :data:`hf_asymkv.KEY_FORMATS`; ``value_bits``: one of :data:`hf_asymkv.VALUE_BITS`;
-            ``residual_length``, ``sink_tokens``, ...), applied over ``cache_config``.
+            ``residual_length``, ``sink_tokens``, ``layer_overrides``, ...), applied over ``cache_config``.
 
     Raises:
         ValueError: an unknown or invalid setting, a group size that does not divide the model's head_dim,
-            scales of another model, or a config without attention layers (the message names the problem).
+            a layer override naming a layer the model does not quantize, scales of another model, or a config
+            without attention layers (the message names the problem).
 
     Example::
 
@@ -119,77 +87,124 @@ class AsymKVCache(Cache):
                 scales.validate(config)
             key_absmax = dict(self.scales.k_channel_absmax)
 
-        types = layer_types(text_config)
-        if not any(t == "full_attention" or t in SLIDING_LAYER_TYPES for t in types):
-            declared = getattr(text_config, "layer_types", None) or types
+        shapes = layer_shapes(config)
+        if not any(shape.holds_kv for shape in shapes):
+            declared = getattr(text_config, "layer_types", None) or [shape.layer_type for shape in shapes]
             raise ValueError(
                 f"config {type(config).__name__} has no attention layers (layer types {sorted(set(declared))}); "
                 "AsymKVCache needs at least one full or sliding attention layer."
             )
         # Group sizes must divide the head_dim of every layer that quantizes (the full-attention ones).
-        layer_configs = _layer_configs(text_config, len(types))
-        full = [i for i, t in enumerate(types) if t == "full_attention"]
-        head_dims = sorted({_head_dim(layer_configs[i]) for i in full or range(len(types))})
-        self.cache_config = cache_config.resolved(head_dims)
-
-        if key_absmax is not None:
-            c = self.cache_config
-            if c.key_granularity != "channel" or not c.key_symmetric or c.key_rotation:
-                raise ValueError("calibrated key ranges are symmetric per-channel scales of unrotated keys: they need "
-                                 "key_granularity='channel', key_symmetric=True and key_rotation=False, got "
-                                 f"{c.key_granularity!r}, key_symmetric={c.key_symmetric}, key_rotation="
-                                 f"{c.key_rotation} (drop the scales, or override those settings).")
-            if scales is not None:  # a scales file covers every layer with KV; we use the full-attention ones
-                key_absmax = {i: k for i, k in key_absmax.items() if i in full}
-            bad = sorted(set(key_absmax) - set(full))
-            if bad:
-                raise ValueError(f"calibrated key ranges given for layers {bad}, which are not full-attention layers.")
-        self._check_key_ranges(key_absmax or {}, layer_configs, text_config)
+        self.shapes = shapes
+        self.cache_config = self._resolved(cache_config)
+        self.layer_configs = self._layer_configs(self.cache_config)
+        key_absmax = self._checked_key_ranges(key_absmax, shapes, from_scales=scales is not None)
         # The configs the model's attention reads its implementation from: looked up at every update, so that
         # `model.set_attn_implementation(...)` after the cache was built takes effect.
         self._attn_configs = (config, text_config)
-        super().__init__(layers=self._build_layers(text_config, types, key_absmax or {}))
+        super().__init__(layers=self._build_layers(text_config, key_absmax))
+
+    def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
+        head_dims = {shape.head_dim for shape in self.shapes if shape.quantized}
+        return cache_config.resolved(sorted(head_dims or {shape.head_dim for shape in self.shapes}))
+
+    def _layer_configs(self, cache_config: AsymKVConfig) -> dict:
+        quantized = {i: shape.head_dim for i, shape in enumerate(self.shapes) if shape.quantized}
+        return cache_config.layer_configs(quantized, [shape.layer_type for shape in self.shapes])
+
+    def apply_layer_overrides(self, layer_overrides) -> None:
+        """Replace the per-layer overrides (``AsymKVConfig.layer_overrides``) of a cache none of whose layers holds a
+        quantized block yet: protection chosen from the prefill (set ``keep_latest_exact`` on the layers so that
+        the prefill stays exact, measure it, then call this before the next update).
+
+        Raises:
+            ValueError: an invalid override (named by layer, as at construction) or a layer that already holds
+                quantized blocks; nothing is changed then.
+        """
+        config = self._resolved(self.cache_config.replace(layer_overrides=layer_overrides))
+        layer_configs = self._layer_configs(config)
+        for i, layer_config in layer_configs.items():
+            try:
+                self.layers[i].check_reconfigure(layer_config)
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+        for i, layer_config in layer_configs.items():
+            self.layers[i].reconfigure(layer_config)
+        self.cache_config, self.layer_configs = config, layer_configs
 
     @property
     def fused_attention(self) -> bool:
         """Whether the model currently runs ``attn_implementation="asymkv_sdpa"`` (layers then hand attention
-        their codes as :class:`~hf_asymkv.core.attention.QuantizedKV`; every other attention gets dense K/V)."""
+        their codes as :class:`~hf_asymkv.core.kv_view.QuantizedKV`; every other attention gets dense K/V)."""
         return any(getattr(c, "_attn_implementation", None) == ATTN_IMPLEMENTATION for c in self._attn_configs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call."""
+        """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call; a new
+        prompt on a cache that already answered one is warned about once (:mod:`~hf_asymkv.core.reuse`)."""
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
         if isinstance(layer, AsymKVLayer):
             layer.return_views = self.fused_attention
+            if layer_idx == self.reuse_watch.layer_idx:  # the first quantized layer: once per forward
+                self.reuse_watch.update(key_states.shape[-2], layer.get_seq_length(), layer.record_past)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def crop(self, max_length: int) -> None:
+        """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache."""
+        super().crop(max_length)
+        self.reuse_watch.rewound()
 
     def reset(self) -> None:
         """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:
         :func:`~hf_asymkv.core.compat.reset_layer`)."""
         for layer in self.layers:
             reset_layer(layer)
+        self.reuse_watch.rewound()
+
+    @property
+    def reuse_watch(self) -> ReuseWatch:
+        """The :class:`~hf_asymkv.core.reuse.ReuseWatch` of this cache (made on first use)."""
+        if "_reuse_watch" not in self.__dict__:
+            self._reuse_watch = ReuseWatch(next(i for i, lay in enumerate(self.layers) if isinstance(lay, AsymKVLayer)))
+        return self._reuse_watch
 
     def activate_past_recording(self, **kwargs) -> None:
-        """Make the next rollbacks (``crop``) exact: quantization waits for each crop (see
-        :class:`~hf_asymkv.core.layer.AsymKVLayer`). transformers' ``generate`` calls this for assisted decoding;
-        from 5.25 it passes ``recurrent_states_to_keep=`` (meant for recurrent layers), forwarded to every layer as
-        transformers' own ``Cache`` does."""
+        """Make a rollback (``crop``) of the latest update's tokens exact: each update's tokens stay pending until
+        the next update or crop (see :mod:`hf_asymkv.core.layer`), so quantization runs one update late and the
+        window stays bounded. transformers' ``generate`` calls this for assisted decoding; from 5.25 it passes
+        ``recurrent_states_to_keep=`` (meant for recurrent layers), forwarded to every layer as transformers' own
+        ``Cache`` does. ``reset()`` turns it off."""
         for layer in self.layers:
             if hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording(**kwargs)
 
-    @staticmethod
-    def _check_key_ranges(key_absmax: dict, layer_configs: list, text_config) -> None:
-        """Calibrated ranges must have each layer's ``[kv_heads, head_dim]``: refused here, naming the layer, rather
-        than at the first update deep inside ``generate``."""
+    def _checked_key_ranges(self, key_absmax: dict | None, shapes: list[LayerShape], from_scales: bool) -> dict:
+        """The calibrated ranges of the quantized layers, after checking that each layer's key spec can use one and
+        that each has the layer's ``[kv_heads, head_dim]``: refused here, naming the layer, rather than at the first
+        update deep inside ``generate``."""
+        if key_absmax is None:
+            return {}
+        c = self.cache_config
+        if c.key_granularity != "channel" or not c.key_symmetric or c.key_rotation:
+            raise ValueError("calibrated key ranges are symmetric per-channel scales of unrotated keys: they need "
+                             "key_granularity='channel', key_symmetric=True and key_rotation=False, got "
+                             f"{c.key_granularity!r}, key_symmetric={c.key_symmetric}, key_rotation="
+                             f"{c.key_rotation} (drop the scales, or override those settings).")
+        if from_scales:  # a scales file covers every layer with KV; we use the full-attention ones
+            key_absmax = {i: k for i, k in key_absmax.items() if i in self.layer_configs}
+        bad = sorted(set(key_absmax) - set(self.layer_configs))
+        if bad:
+            raise ValueError(f"calibrated key ranges given for layers {bad}, which are not full-attention layers.")
         for i, k in sorted(key_absmax.items()):
-            c = layer_configs[i]
-            heads = getattr(c, "num_key_value_heads", None) or getattr(text_config, "num_key_value_heads", None) \
-                or text_config.num_attention_heads
-            expected = (int(heads), _head_dim(c))
+            spec = self.layer_configs[i].key_spec
+            if spec.granularity != "channel" or not spec.symmetric or spec.rotated:
+                raise ValueError(f"layer {i}: its layer_overrides make keys {spec.fmt}/{spec.granularity} symmetric="
+                                 f"{spec.symmetric} rotated={spec.rotated}, which cannot use a calibrated key range "
+                                 "(symmetric per-channel, unrotated).")
+            expected = (shapes[i].kv_heads, shapes[i].head_dim)
             if tuple(k.shape) != expected:
                 raise ValueError(f"calibrated key range of layer {i} has shape {tuple(k.shape)}, the model's layer {i} "
                                  f"needs [kv_heads, head_dim] = {list(expected)} (scales of another model?)")
+        return key_absmax
 
     @property
     def settings(self) -> dict:
@@ -262,22 +277,12 @@ class AsymKVCache(Cache):
             raise ValueError("from_preset builds the cache_config from the preset; pass single settings as overrides.")
         return cls(config, preset_config(name, **overrides), **extra)
 
-    def _build_layers(self, text_config, types: list[str], key_absmax: dict[int, torch.Tensor]) -> list:
+    def _build_layers(self, text_config, key_absmax: dict[int, torch.Tensor]) -> list:
         # What DynamicCache builds for this config (one layer per layer type): reused for every layer we do not
         # quantize, so sliding windows, linear attention and KV-sharing layers behave exactly as transformers'.
-        fallback = DynamicCache(config=text_config).layers
-        c = self.cache_config
-        key_spec, value_spec = c.key_spec(), c.value_spec()
-        layers = []
-        for i, layer_type in enumerate(types):
-            if layer_type == "full_attention":
-                layers.append(AsymKVLayer(
-                    key_spec, value_spec, block_size=c.key_block_size, residual_length=c.residual_length,
-                    sink_tokens=c.sink_tokens, growth_factor=c.growth_factor, max_growth_tokens=c.max_growth_tokens,
-                    key_absmax=key_absmax.get(i), overflow_policy=c.overflow_policy,
-                ))  # fmt: skip
-            else:
-                layers.append(fallback[i])
+        layers = DynamicCache(config=text_config).layers
+        for i, layer_config in self.layer_configs.items():
+            layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
         return layers
 
     def memory_footprint(self) -> dict[str, int | float]:

@@ -16,6 +16,8 @@ deleting the shims whose range fell below it.
 - :data:`GENERATE_RECORDS_PAST`: whether ``generate`` calls ``activate_past_recording`` before assisted
   decoding (from 5.14), which makes deep rollbacks exact; from 5.25 it passes ``recurrent_states_to_keep=``, which
   our layers accept and ignore (it concerns recurrent layers).
+- :func:`update_position_ids`: the ``position_ids`` of the tokens of a cache update (passed from 5.24 only), which
+  anchor a left-padded row's sinks at its first real token (:data:`UPDATE_GETS_POSITION_IDS`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "DUMMY_LAYER_CLASSES",
     "GENERATE_RECORDS_PAST",
     "TRANSFORMERS_VERSION",
+    "UPDATE_GETS_POSITION_IDS",
     "LayerAPICompat",
     "cache_kwargs",
     "cache_layer_types",
@@ -38,6 +41,7 @@ __all__ = [
     "mask_query_length",
     "reset_layer",
     "transformers_at_least",
+    "update_position_ids",
 ]
 
 TRANSFORMERS_VERSION: tuple[int, int] = Version(transformers.__version__).release[:2]
@@ -176,3 +180,18 @@ def _dummy_layer_classes() -> tuple[type, ...]:
 
 DUMMY_LAYER_CLASSES: tuple[type, ...] = _dummy_layer_classes()
 """``(DummyLayer,)`` on transformers 5.23+, ``()`` before."""
+
+
+# From 5.24 the attention modules call `cache.update(key, value, layer_idx, kwargs=kwargs)`: the layer receives the
+# attention kwargs, `position_ids` among them (generate gives a left-padded row's first real token position 0).
+# 5.0-5.23 pass `cache_kwargs` (5.0: sin, cos, cache_position, one for all rows) or nothing: no row's positions.
+UPDATE_GETS_POSITION_IDS: bool = transformers_at_least(5, 24)
+
+
+def update_position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The ``[B, n]`` (or ``[1, n]``, or multimodal ``[3, B, n]``) ``position_ids`` of a layer update's tokens, as
+    transformers 5.24+ passes them (``kwargs={"position_ids": ..., ...}``); None before 5.24 or when the model
+    passes none."""
+    inner = kwargs.get("kwargs")
+    positions = inner.get("position_ids") if isinstance(inner, dict) else None
+    return positions if isinstance(positions, torch.Tensor) else None

@@ -2,7 +2,16 @@
 
 `AsymKVCache`, the published ``asymkv_config.json``, the presets and the command line all read this one
 frozen dataclass. A config is model-agnostic: group sizes may be left to ``None`` and are resolved against a
-model's head dims by :meth:`AsymKVConfig.resolved`, which also builds the two :class:`QuantSpec`.
+model's head dims by :meth:`AsymKVConfig.resolved`. What one layer needs of it is a :class:`LayerConfig`
+(:meth:`AsymKVConfig.layer_config`): its two :class:`~hf_asymkv.core.quant.QuantSpec` (block size included),
+window, sinks, overflow policy and buffer :class:`Growth`; layers and stores take that one object.
+
+Per-layer overrides (``layer_overrides={0: {"key_format": "int8"}, -1: {...}}``) change any of
+:data:`~hf_asymkv.core.registry.LAYER_SETTINGS` for given layer indices (negative ones count from the last layer); they are validated
+when the config is built (each override must make a valid config) and again when the model is known
+(:meth:`AsymKVConfig.layer_configs`: indices in range and naming quantized layers, group sizes that divide that
+layer's head_dim). A preset may carry them; the cache, its footprint and both attention paths read each layer's
+own :class:`LayerConfig`.
 
 The dict form (:meth:`AsymKVConfig.to_dict`) carries ``config_version``; :meth:`AsymKVConfig.from_dict`
 reads every version it knows and refuses newer ones by name.
@@ -12,28 +21,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .quant import GRANULARITIES, QuantSpec
+from .registry import KEY_FORMATS, LAYER_SETTINGS, OVERFLOW_POLICIES, VALUE_BITS
 
-__all__ = ["AsymKVConfig", "CONFIG_VERSION", "KEY_FORMATS", "OVERFLOW_POLICIES", "VALUE_BITS"]
+__all__ = ["AsymKVConfig", "CONFIG_VERSION", "Growth", "KEY_FORMATS", "LAYER_SETTINGS", "LEGACY_DEFAULTS", "LayerConfig",
+           "OVERFLOW_POLICIES", "SUPPORTED_CONFIG_VERSIONS", "VALUE_BITS"]
 
-KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int3", "int2")
-"""Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/3/2-bit for ablations and presets."""
-VALUE_BITS = (2, 3, 4, 5, 6, 8)
-"""Value code widths (asymmetric integer, scale + zero per group, unless ``value_symmetric``); 3, 5 and 6 bits
-are packed as two bit-plane sets (exactly ``bits / 8`` bytes per value)."""
-OVERFLOW_POLICIES = ("widen", "clip", "error")
-"""What a calibrated layer does with a key beyond its range: widen that block's scale (counted), saturate
-(counted), or raise ``ValueError``."""
-CONFIG_VERSION = 3
+CONFIG_VERSION = 4
 """Version of the dict form written by :meth:`AsymKVConfig.to_dict`: 2 added ``key_symmetric``, ``key_rotation``
-and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V). A
-field missing from an older dict takes the default of that dict's version (:data:`LEGACY_DEFAULTS`), so a
-stored config keeps its meaning."""
-SUPPORTED_CONFIG_VERSIONS = (1, 2, 3)
+and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V); 4 added
+``layer_overrides`` (absent before: no overrides). A field missing from an older dict takes the default of that
+dict's version (:data:`LEGACY_DEFAULTS`), so a stored config keeps its meaning."""
+SUPPORTED_CONFIG_VERSIONS = (1, 2, 3, 4)
+"""``config_version`` values :meth:`AsymKVConfig.from_dict` reads."""
 LEGACY_DEFAULTS = {"residual_length": 128, "sink_tokens": 0, "value_rotation": False}
 """Defaults of config versions 1 and 2 that version 3 changed (key_symmetric/key_rotation kept theirs)."""
 
@@ -46,6 +52,66 @@ def _check_choice(name: str, value, allowed) -> None:
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How a growable buffer's capacity grows when full.
+
+    Args:
+        factor: capacity multiplier (>= 1; 1 grows by exactly what is needed).
+        max_tokens: the most token rows one growth adds, bounding unused memory.
+    """
+
+    factor: float = 1.25
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not self.factor >= 1:
+            raise ValueError(f"growth factor must be a number >= 1, got {self.factor!r}.")
+        _check_int("max_tokens", self.max_tokens, 1)
+
+    def capacity(self, current: int, needed: int, multiple: int = 1, max_step: int | None = None) -> int:
+        """New capacity (rows) for a buffer of ``current`` rows that must hold ``needed``: ``factor`` x, by at most
+        ``max_step`` rows (default ``max_tokens``), never less than ``needed``, rounded up to ``multiple``."""
+        step = math.ceil(current * (self.factor - 1))
+        step = min(step, self.max_tokens if max_step is None else max_step)
+        return -(-max(needed, current + step) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Everything one quantized layer needs: what :class:`~hf_asymkv.core.layer.AsymKVLayer` and its stores take.
+
+    Args:
+        key_spec, value_spec: how K and V blocks are stored; both carry the layer's ``block_size``.
+        residual_length: newest tokens kept exact.
+        sink_tokens: first tokens kept exact.
+        overflow_policy: one of :data:`OVERFLOW_POLICIES` (calibrated key ranges).
+        growth: how the buffers grow.
+
+    Raises:
+        ValueError: specs with different block sizes, a negative window or sink count, an unknown policy.
+    """
+
+    key_spec: QuantSpec
+    value_spec: QuantSpec
+    residual_length: int = 128
+    sink_tokens: int = 0
+    overflow_policy: str = "widen"
+    growth: Growth = Growth()
+
+    def __post_init__(self) -> None:
+        if self.key_spec.block_size != self.value_spec.block_size:
+            raise ValueError("K and V of a layer are quantized in the same blocks: key_spec.block_size="
+                             f"{self.key_spec.block_size} and value_spec.block_size={self.value_spec.block_size} differ.")
+        _check_int("residual_length", self.residual_length, 0)
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
+
+    @property
+    def block_size(self) -> int:
+        return self.key_spec.block_size
 
 
 @dataclass(frozen=True)
@@ -75,9 +141,14 @@ class AsymKVConfig:
         overflow_policy: one of :data:`OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
+        layer_overrides: ``{layer index: {setting: value}}`` for settings of :data:`~hf_asymkv.core.registry.LAYER_SETTINGS` that differ
+            in given layers (e.g. ``{0: {"key_format": "int8", "key_symmetric": True}}`` to protect layer 0);
+            negative indices count from the last layer. Stored normalized (sorted ``(index, ((setting, value),
+            ...))`` pairs, so the config stays immutable and hashable); :meth:`overrides` gives the dict form.
 
     Raises:
-        ValueError: any field out of range (the message names the field, the value and what is allowed).
+        ValueError: any field out of range (the message names the field, the value and what is allowed); an
+            override that is not a valid setting (the message names the layer).
     """
 
     key_format: str = "int8"
@@ -96,6 +167,7 @@ class AsymKVConfig:
     overflow_policy: str = "widen"
     growth_factor: float = 1.25
     max_growth_tokens: int = 256
+    layer_overrides: Mapping[int, Mapping[str, Any]] | tuple = ()
 
     def __post_init__(self) -> None:
         _check_choice("key_format", self.key_format, KEY_FORMATS)
@@ -119,6 +191,9 @@ class AsymKVConfig:
         growth = self.growth_factor
         if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not growth > 1:
             raise ValueError(f"growth_factor must be a number > 1, got {growth!r}.")
+        object.__setattr__(self, "layer_overrides", _normalized_overrides(self.layer_overrides))
+        for index, _ in self.layer_overrides:
+            self.for_layer(index)  # each override must make a valid config (raises naming the layer)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -137,10 +212,27 @@ class AsymKVConfig:
         """A copy with ``overrides`` applied (validated like a new config)."""
         return self.from_kwargs(**{**self.settings(), **overrides})
 
+    def overrides(self) -> dict[int, dict[str, Any]]:
+        """``layer_overrides`` as ``{layer index: {setting: value}}`` (a new dict)."""
+        return {index: dict(settings) for index, settings in self.layer_overrides}
+
+    def for_layer(self, index: int) -> AsymKVConfig:
+        """The settings of layer ``index`` as written (an index of ``layer_overrides``, negative ones as given): this
+        config with that layer's override applied and no overrides of its own.
+
+        Raises:
+            ValueError: the override does not make a valid config (the message names the layer).
+        """
+        override = dict(self.layer_overrides).get(index, ())
+        try:
+            return dataclasses.replace(self, layer_overrides=(), **dict(override))
+        except ValueError as exc:
+            raise ValueError(f"layer_overrides[{index}]: {exc}") from None
+
     # ------------------------------------------------------------------ dict form
     def settings(self) -> dict:
-        """The fields as a plain dict (JSON scalars only)."""
-        return dataclasses.asdict(self)
+        """The fields as a plain dict: JSON scalars, and ``layer_overrides`` as ``{index: {setting: value}}``."""
+        return {**dataclasses.asdict(self), "layer_overrides": self.overrides()}
 
     def to_dict(self) -> dict:
         """``{"config_version": CONFIG_VERSION, <every field>}``: what ``asymkv_config.json`` stores."""
@@ -164,10 +256,12 @@ class AsymKVConfig:
                              f"{list(SUPPORTED_CONFIG_VERSIONS)}); upgrade hf-asymkv")
         if version < 3:
             data = {**LEGACY_DEFAULTS, **data}
-        for key, value in data.items():
-            if not (value is None or isinstance(value, (str, int, float, bool))):
-                raise ValueError(f"{where}: setting {key!r} must be a JSON scalar, got {value!r}")
         try:
+            if "layer_overrides" in data:
+                data["layer_overrides"] = _overrides_from_json(data["layer_overrides"])
+            for key, value in data.items():
+                if key != "layer_overrides" and not _is_scalar(value):
+                    raise ValueError(f"setting {key!r} must be a JSON scalar, got {value!r}")
             return cls.from_kwargs(**data)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
@@ -194,17 +288,101 @@ class AsymKVConfig:
     def key_spec(self) -> QuantSpec:
         """Keys: symmetric unless ``key_symmetric=False``, bf16 scales (a resolved config: group sizes set)."""
         return QuantSpec(self.key_format, self.key_granularity, self.key_group_size, self.key_symmetric,
-                         torch.bfloat16, rotated=self.key_rotation)
+                         torch.bfloat16, rotated=self.key_rotation, block_size=self.key_block_size)
 
     def value_spec(self) -> QuantSpec:
-        """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero."""
+        """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero, in the keys' blocks."""
         return QuantSpec(f"int{self.value_bits}", self.value_granularity, self.value_group_size,
-                         self.value_symmetric, torch.float16, rotated=self.value_rotation)
+                         self.value_symmetric, torch.float16, rotated=self.value_rotation,
+                         block_size=self.key_block_size)
+
+    def layer_config(self) -> LayerConfig:
+        """What one layer takes, without overrides (a resolved config: group sizes set)."""
+        return LayerConfig(self.key_spec(), self.value_spec(), self.residual_length, self.sink_tokens,
+                           self.overflow_policy, Growth(self.growth_factor, self.max_growth_tokens))
+
+    def layer_configs(self, head_dims: Mapping[int, int], layer_types: list[str]) -> dict[int, LayerConfig]:
+        """Each quantized layer's :class:`LayerConfig`, overrides applied (a resolved config: group sizes set).
+
+        Args:
+            head_dims: ``{layer index: head_dim}`` of the layers that quantize.
+            layer_types: every layer's cache type (their count bounds the indices; named in errors).
+
+        Raises:
+            ValueError: an override index out of range, naming a layer twice (``i`` and ``i - n``) or naming a
+                layer that does not quantize, or a group size that does not divide that layer's head_dim (the
+                message names the layer).
+        """
+        n = len(layer_types)
+        chosen: dict[int, int] = {}
+        for index, _ in self.layer_overrides:
+            i = index + n if index < 0 else index
+            if not 0 <= i < n:
+                raise ValueError(f"layer_overrides names layer {index}, but the model has {n} layers (indices 0 to "
+                                 f"{n - 1}, or -1 to -{n} from the end).")
+            if i in chosen:
+                raise ValueError(f"layer_overrides names layer {i} twice (as {chosen[i]} and {index}).")
+            if i not in head_dims:
+                raise ValueError(f"layer_overrides names layer {index}, a {layer_types[i]!r} layer that is not "
+                                 f"quantized; overrides apply to the quantized layers {sorted(head_dims)}.")
+            chosen[i] = index
+        configs = {}
+        for i, head_dim in head_dims.items():
+            layer = self.for_layer(chosen[i]) if i in chosen else dataclasses.replace(self, layer_overrides=())
+            try:
+                configs[i] = layer.resolved([head_dim]).layer_config()
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+        return configs
 
     def describe(self) -> str:
         """One line for ``repr`` and logs."""
         key = f"K={self.key_format}{'' if self.key_symmetric else '-asym'}/{self.key_granularity}"
         value = f"V=int{self.value_bits}/{self.value_granularity}(g={self.value_group_size})"
         rotated = [kind for kind, on in (("K", self.key_rotation), ("V", self.value_rotation)) if on]
+        overridden = [index for index, _ in self.layer_overrides]
         return (f"{key}, {value}, block={self.key_block_size}, window={self.residual_length}, "
-                f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else ""))
+                f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else "")
+                + (f", overrides for layers {overridden}" if overridden else ""))
+
+
+def _is_scalar(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _normalized_overrides(value) -> tuple:
+    """``{index: {setting: value}}`` (or its normalized form) -> sorted ``((index, ((setting, value), ...)), ...)``.
+
+    Raises:
+        ValueError: not a mapping of int layer indices to mappings of :data:`~hf_asymkv.core.registry.LAYER_SETTINGS`.
+    """
+    items = value.items() if isinstance(value, Mapping) else value
+    if not isinstance(value, (Mapping, tuple)):
+        raise ValueError(f"layer_overrides must be a dict {{layer index: {{setting: value}}}}, got {value!r}.")
+    normalized = {}
+    for index, settings in items:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"layer_overrides keys must be layer indices (int), got {index!r}.")
+        settings = dict(settings.items() if isinstance(settings, Mapping) else settings)
+        unknown = sorted(set(settings) - set(LAYER_SETTINGS))
+        if unknown:
+            raise ValueError(f"layer_overrides[{index}]: unknown or not per-layer settings {unknown}; allowed: "
+                             f"{list(LAYER_SETTINGS)}.")
+        normalized[index] = tuple(sorted(settings.items()))
+    return tuple(sorted(normalized.items()))
+
+
+def _overrides_from_json(value) -> dict[int, dict]:
+    """The JSON form of ``layer_overrides`` (string keys) -> ``{int: {setting: scalar}}``."""
+    if not isinstance(value, dict):
+        raise ValueError(f"layer_overrides must be a JSON object, got {value!r}")
+    out = {}
+    for key, settings in value.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"layer_overrides keys must be layer indices, got {key!r}") from None
+        if not isinstance(settings, dict) or not all(_is_scalar(v) for v in settings.values()):
+            raise ValueError(f"layer_overrides[{key}] must be an object of JSON scalars, got {settings!r}")
+        out[index] = settings
+    return out

@@ -5,22 +5,31 @@ Token order inside a layer::
     [ sinks (exact) ][ quantized blocks ........ ][ window (exact) ]
       <= sink_tokens   multiple of block_size        >= residual_length once anything is quantized
 
+The same for every row of a batch. In a left-padded batch the sink positions of a padded row hold pads; that
+row's own first ``sink_tokens`` tokens are kept exact as an overlay over the blocks (:mod:`hf_asymkv.core.sinks`),
+anchored at the row's first real token, which the first update's ``position_ids`` give (transformers 5.24+).
+
 New tokens enter the window. When the window holds at least ``residual_length + block_size`` tokens, every
 whole block of ``block_size`` tokens that has aged out of the newest ``residual_length`` is quantized *once*
 and appended to the code buffers; a closed block is never re-quantized.
 
-Rollback (``crop``): while past recording is on (``activate_past_recording()``; transformers' ``generate``
-turns it on for assisted decoding and for returned caches it may roll back), updates quantize nothing and
-each ``crop`` first removes tokens, then quantizes what has aged out. A rollback that removes no more than the
-tokens added since the previous crop (plus the window's surplus over ``residual_length``) is therefore exact:
+Deferral: the tokens of the latest update can be kept *pending*: they do not count towards ageing, so nothing
+that makes room for them is quantized until the next update or ``crop`` (then what has aged out is quantized
+as usual). The window therefore never exceeds ``residual_length + block_size + n`` tokens, ``n`` the latest
+update's. It is on while past recording is (``activate_past_recording()``: transformers' ``generate`` turns it on
+for assisted decoding and for returned caches it may roll back, and may leave it on) or while
+``keep_latest_exact`` is set (e.g. to keep a prefill exact until the step after it); ``reset()`` ends both.
+
+Rollback (``crop``) first removes tokens, then quantizes what has aged out. A rollback of no more than the
+latest update's tokens (plus the window's surplus over ``residual_length``) is therefore exact while deferring:
 the newest ``min(length, residual_length)`` tokens are the ones that came in, and no token is quantized twice.
-A deeper rollback, or one without recording, can only return the tokens of a partly removed block to the
-window as their dequantized values (what attention saw); they are quantized again when they age out, which
+A deeper rollback, or one without deferral, can only return the tokens of a partly removed block to the window
+as their dequantized values (what attention saw); they are quantized again when they age out, which
 ``stats["requantized_tokens"]`` counts.
 
-Buffers grow geometrically (x ``growth_factor``) but by at most ``max_growth_tokens`` at a time, so appending
-n tokens copies the stored data O(n / max_growth_tokens) times; unused capacity stays a few percent of real
-memory for long caches.
+Buffers grow geometrically (x ``growth.factor``) but by at most ``growth.max_tokens`` at a time, so appending
+n tokens copies the stored data O(n / max_tokens) times; unused capacity stays a few percent of real memory for
+long caches.
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention import QuantizedKV
-from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length
-from .config import OVERFLOW_POLICIES
-from .quant import QuantSpec, scale_from_absmax
+from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length, update_position_ids
+from .config import LayerConfig
+from .kv_view import QuantizedKV
+from .quant import scale_from_absmax
+from .sinks import row_starts
 from .store import TensorStore
 
 __all__ = ["AsymKVLayer"]
@@ -44,69 +54,83 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     """Cache layer with quantized K/V blocks between an exact sink prefix and an exact recent window.
 
     Args:
-        key_spec: storage of keys (e.g. int8 per-channel).
-        value_spec: storage of values (e.g. asymmetric int4 per-token groups).
-        block_size: tokens per quantized block; K per-channel scales are per block.
-        residual_length: newest tokens always kept exact.
-        sink_tokens: first tokens always kept exact.
-        growth_factor: capacity multiplier when a buffer is full (> 1).
-        max_growth_tokens: the most tokens of capacity one growth adds.
+        config: the layer's settings (:meth:`hf_asymkv.AsymKVConfig.layer_config`): K and V specs with their block
+            size (K per-channel scales are per block), window (``residual_length`` newest tokens exact), sinks
+            (``sink_tokens`` first tokens exact), overflow policy and buffer growth.
         key_absmax: optional calibrated K range ``[kv_heads, head_dim]`` (post-RoPE absmax). With it, every
-            block uses the calibrated scale unless a value exceeds it, then ``overflow_policy`` applies.
-        overflow_policy: ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate,
-            counted) or ``"error"`` (raise ``ValueError``).
-        return_views: hand attention :class:`~hf_asymkv.core.attention.QuantizedKV` instead of dense K/V once
+            block uses the calibrated scale unless a value exceeds it, then ``config.overflow_policy`` applies:
+            ``"widen"`` (that block's scale grows to fit, counted), ``"clip"`` (saturate, counted) or ``"error"``
+            (raise ``ValueError``).
+        return_views: hand attention :class:`~hf_asymkv.core.kv_view.QuantizedKV` instead of dense K/V once
             anything is quantized (for ``attn_implementation="asymkv_sdpa"`` only; `AsymKVCache` sets it at
             every update from the model's current attention implementation).
 
     Raises:
-        ValueError: a calibrated ``key_absmax`` with a key spec that is not symmetric per channel (the calibrated
-            range is a symmetric per-channel scale of unrotated keys), or an unknown ``overflow_policy``.
+        ValueError: a config that is not a :class:`~hf_asymkv.core.config.LayerConfig`, or a calibrated
+            ``key_absmax`` with a key spec that is not symmetric per channel (the calibrated range is a symmetric
+            per-channel scale of unrotated keys).
+
+    Example::
+
+        layer = AsymKVLayer(AsymKVConfig(key_block_size=32).resolved([64]).layer_config())
     """
 
     is_sliding = False
     is_compileable = False
     is_croppable = True
 
-    def __init__(
-        self,
-        key_spec: QuantSpec,
-        value_spec: QuantSpec,
-        *,
-        block_size: int = 128,
-        residual_length: int = 128,
-        sink_tokens: int = 0,
-        growth_factor: float = 1.25,
-        max_growth_tokens: int = 256,
-        key_absmax: torch.Tensor | None = None,
-        overflow_policy: str = "widen",
-        return_views: bool = False,
-    ):
+    def __init__(self, config: LayerConfig, *, key_absmax: torch.Tensor | None = None, return_views: bool = False):
         super().__init__()
-        if key_absmax is not None and (key_spec.granularity != "channel" or not key_spec.symmetric):
-            raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
-                             f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
-                             f"symmetric={key_spec.symmetric}.")
-        if key_absmax is not None and key_spec.rotated:
-            raise ValueError("a calibrated key range (key_absmax) holds ranges of unrotated key channels: it needs a key "
-                             "spec with rotated=False (key_rotation=False), got rotated=True.")
-        if overflow_policy not in OVERFLOW_POLICIES:
-            raise ValueError(f"overflow_policy must be one of {list(OVERFLOW_POLICIES)}, got {overflow_policy!r}.")
+        _check_config(config, key_absmax)
+        self.config = config
         self.return_views = return_views
-        self.record_past = False
-        self.key_spec, self.value_spec = key_spec, value_spec
-        self.block_size, self.residual_length, self.sink_tokens = block_size, residual_length, sink_tokens
-        self.growth_factor, self.max_growth_tokens = growth_factor, max_growth_tokens
+        self.record_past = False  # transformers' name: set by activate_past_recording(), cleared by generate
+        self.keep_latest_exact = False
         self.key_absmax = key_absmax
-        self.overflow_policy = overflow_policy
         self.stats: Counter = Counter()
         self._clear()
 
+    def reconfigure(self, config: LayerConfig) -> None:
+        """Switch to ``config`` before anything is quantized: e.g. protection chosen from the prefill, which
+        ``keep_latest_exact`` keeps exact until the next update. The exact sinks and window stay as they are.
+
+        Raises:
+            ValueError: blocks already stored, another ``sink_tokens`` once tokens are stored, or a config the
+                layer's calibrated key range cannot serve.
+        """
+        self.check_reconfigure(config)
+        for store, spec in zip(self.stores, (config.key_spec, config.value_spec)):
+            store.respec(spec, config.growth)
+        self.config = config
+
+    def check_reconfigure(self, config: LayerConfig) -> None:
+        """Raise the ``ValueError`` :meth:`reconfigure` would raise, changing nothing."""
+        _check_config(config, self.key_absmax)
+        if self.key_store.blocks.length:
+            raise ValueError(f"cannot reconfigure a layer that holds {self.key_store.blocks.length} quantized tokens "
+                             "(change settings before the first block, e.g. right after the prefill).")
+        if self.cumulative_length and config.sink_tokens != self.sink_tokens:
+            raise ValueError(f"cannot change sink_tokens from {self.sink_tokens} to {config.sink_tokens} once tokens "
+                             "are stored.")
+
+    # The settings as attributes (read by the cache, the tests and tools): one source, the config.
+    key_spec = property(lambda self: self.config.key_spec)
+    value_spec = property(lambda self: self.config.value_spec)
+    block_size = property(lambda self: self.config.block_size)
+    residual_length = property(lambda self: self.config.residual_length)
+    sink_tokens = property(lambda self: self.config.sink_tokens)
+    overflow_policy = property(lambda self: self.config.overflow_policy)
+
     def _clear(self) -> None:
-        args = (self.block_size, self.growth_factor, self.max_growth_tokens)
-        self.key_store = TensorStore("key", self.key_spec, *args)
-        self.value_store = TensorStore("value", self.value_spec, *args)
+        self.key_store = TensorStore("key", self.key_spec, self.config.growth, self.sink_tokens)
+        self.value_store = TensorStore("value", self.value_spec, self.config.growth, self.sink_tokens)
         self.cumulative_length = 0
+        self.pending_tokens = 0  # window tokens of the latest update kept out of ageing (see the module docstring)
+
+    @property
+    def defers(self) -> bool:
+        """Whether each update's tokens stay pending until the next update or crop (recording or asked for)."""
+        return self.record_past or self.keep_latest_exact
 
     @property
     def stores(self) -> tuple[TensorStore, TensorStore]:
@@ -132,16 +156,23 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         """Append ``[B, H, n, D]`` keys/values and return dense ``[B, H, seq_len, D]`` keys/values.
 
         Tokens quantized during this call are returned exact (they are at hand); older blocks come back
-        dequantized in one vectorized op per tensor.
+        dequantized in one vectorized op per tensor. The first update into an empty layer anchors each row's sinks
+        at its first real token when transformers passes ``position_ids`` (see :mod:`hf_asymkv.core.sinks`).
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[-2]
         ks = self.key_store
+        if self.cumulative_length == 0 and n and self.sink_tokens:
+            anchors = row_starts(update_position_ids(args, kwargs), key_states.shape[0], n)
+            for store in self.stores:
+                store.overlay.set_anchors(anchors)
         # Sinks take the very first tokens; the rest joins the window, and every whole block that has aged out
-        # of the newest residual_length tokens is quantized (at the next crop instead, while recording).
+        # of the newest residual_length tokens is quantized; while deferring, the new tokens do not age anything
+        # (an empty update, a read, keeps the previous update's tokens pending).
         n_sink = min(n, self.sink_tokens - ks.sinks.length) if ks.blocks.length + ks.window.length == 0 else 0
-        n_flush = 0 if self.record_past else self._aged_out(ks.window.length + n - n_sink)
+        pending = (n - n_sink if self.defers else 0) if n else self.pending_tokens
+        n_flush = self._aged_out(ks.window.length + n - n_sink - pending)
         # The calibrated key scale comes first: with overflow_policy="error" it raises, and must leave the layer
         # as it was.
         key_scale = None
@@ -150,6 +181,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         n_old = ks.blocks.length
         pushed = (ks.push(key_states, n_sink, n_flush, key_scale), self.value_store.push(value_states, n_sink, n_flush))
         self.cumulative_length += n
+        self.pending_tokens = pending
         if n_flush:
             self._count_flush(n_flush, sum(nonfinite for _, nonfinite in pushed))
         return tuple(store.read(n_old, tail, self.return_views) for store, (tail, _) in zip(self.stores, pushed))
@@ -164,9 +196,11 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """Empty the layer and end any deferral (past recording, ``keep_latest_exact``)."""
         self._clear()
         self.stats.clear()
         self.is_initialized = False
+        self.record_past = self.keep_latest_exact = False
 
     def offload(self) -> None:
         self._map_batch(lambda t: t.to("cpu", non_blocking=True))
@@ -185,11 +219,12 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def activate_past_recording(self, **kwargs) -> None:
-        """Defer quantization to the next ``crop``, so that a rollback of the tokens added since is exact.
+        """Keep each update's tokens pending until the next update or ``crop``, so that a rollback of the latest
+        update's tokens is exact (see the module docstring); quantization still runs, one update late.
 
-        transformers' ``generate`` calls this (through the cache) before assisted decoding and turns it off
-        (``record_past = False``) when it hands the cache back. Keyword arguments (``recurrent_states_to_keep``,
-        passed from transformers 5.25 for recurrent layers) do not concern attention layers and are ignored.
+        transformers' ``generate`` calls this (through the cache) before assisted decoding, and may leave it on;
+        ``record_past = False`` or ``reset()`` turns it off. Keyword arguments (``recurrent_states_to_keep``, passed
+        from transformers 5.25 for recurrent layers) do not concern attention layers and are ignored.
         """
         self.record_past = True
 
@@ -211,6 +246,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         moved = [store.crop(keep, self.dtype) for store in self.stores]
         self.stats["requantized_tokens"] += moved[0]
         self.cumulative_length = keep
+        self.pending_tokens = 0  # a crop ends the deferral: what has aged out is quantized now
         self._flush_window()
 
     # ------------------------------------------------------------------ reporting
@@ -279,13 +315,13 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         over = block_amax > calib
         n_over = int(over.sum())
         if n_over:
-            self.stats["key_overflow_channels"] += n_over
-            if self.overflow_policy == "error":
+            if self.overflow_policy == "error":  # before any counter moves: a raise leaves the layer as it was
                 ratio = float((block_amax / calib).max())
                 raise ValueError(
                     f"{n_over} key (block, head, channel) ranges exceed the calibrated absmax (worst x{ratio:.3g}) "
                     "with overflow_policy='error'; use 'widen' (default) or recalibrate on longer samples."
                 )
+            self.stats["key_overflow_channels"] += n_over
             if self.overflow_policy == "clip":
                 self.stats["key_clipped_values"] += int((grouped > calib[:, :, :, None, :]).sum())
             else:
@@ -297,3 +333,18 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         for store in self.stores:
             store.map_batch(fn)
+
+
+def _check_config(config: LayerConfig, key_absmax: torch.Tensor | None) -> None:
+    """A :class:`LayerConfig`, whose key spec can use a calibrated range if one is given (``ValueError`` otherwise)."""
+    if not isinstance(config, LayerConfig):
+        raise ValueError(f"AsymKVLayer takes a LayerConfig (AsymKVConfig(...).layer_config()), got "
+                         f"{type(config).__name__}.")
+    key_spec = config.key_spec
+    if key_absmax is not None and (key_spec.granularity != "channel" or not key_spec.symmetric):
+        raise ValueError("a calibrated key range (key_absmax) is a symmetric per-channel scale: it needs a key spec "
+                         f"with granularity='channel' and symmetric=True, got {key_spec.granularity!r} and "
+                         f"symmetric={key_spec.symmetric}.")
+    if key_absmax is not None and key_spec.rotated:
+        raise ValueError("a calibrated key range (key_absmax) holds ranges of unrotated key channels: it needs a key "
+                         "spec with rotated=False (key_rotation=False), got rotated=True.")

@@ -2,7 +2,8 @@
 
 A publish folder (written by ``hf-asymkv publish``, :mod:`hf_asymkv.hub.publish`) holds:
 
-- ``kv_scales.safetensors``: the calibrated scales (:class:`~hf_asymkv.core.scales.KVScales`);
+- ``kv_scales.safetensors`` (:data:`SCALES_FILE`): the calibrated scales file (:class:`~hf_asymkv.core.scales.KVScales`,
+  format ``hf_asymkv.kv_scales``; not the vLLM scale file of ``hf-asymkv export-vllm``);
 - ``asymkv_config.json``: ``format``, ``format_version``, the recommended cache ``settings`` (the dict form of
   :class:`~hf_asymkv.core.config.AsymKVConfig`), the ``scales_file`` name, ``base_model`` and the
   ``hf_asymkv_version`` that wrote it;
@@ -24,7 +25,7 @@ __all__ = [
     "CONFIG_FORMAT_VERSION",
     "HUB_FILES",
     "SCALES_FILE",
-    "SUPPORTED_CONFIG_VERSIONS",
+    "SUPPORTED_CONFIG_FORMAT_VERSIONS",
     "load_published",
 ]
 
@@ -33,7 +34,9 @@ CONFIG_FILE = "asymkv_config.json"
 CARD_FILE = "README.md"
 CONFIG_FORMAT = "hf_asymkv.published"
 CONFIG_FORMAT_VERSION = "1"
-SUPPORTED_CONFIG_VERSIONS = ("1",)
+SUPPORTED_CONFIG_FORMAT_VERSIONS = ("1",)
+"""``format_version`` values of ``asymkv_config.json`` that :func:`load_published` reads (the versions of the
+settings inside it are :data:`hf_asymkv.core.config.SUPPORTED_CONFIG_VERSIONS`)."""
 HUB_FILES = [SCALES_FILE, CONFIG_FILE, CARD_FILE]
 """What :func:`load_published` downloads from a Hub repo (``allow_patterns``)."""
 
@@ -93,9 +96,9 @@ def load_published(dir_or_repo_id: str | Path, config, *, revision: str | None =
     if published.get("format") != CONFIG_FORMAT:
         raise ValueError(f"{where}: {CONFIG_FILE} format is {published.get('format')!r}, expected {CONFIG_FORMAT!r}")
     version = str(published.get("format_version"))
-    if version not in SUPPORTED_CONFIG_VERSIONS:
+    if version not in SUPPORTED_CONFIG_FORMAT_VERSIONS:
         raise ValueError(f"{where}: {CONFIG_FILE} format_version {published.get('format_version')!r} is not "
-                         f"supported (supported: {list(SUPPORTED_CONFIG_VERSIONS)}); upgrade hf-asymkv")
+                         f"supported (supported: {list(SUPPORTED_CONFIG_FORMAT_VERSIONS)}); upgrade hf-asymkv")
     cache_config = AsymKVConfig.from_dict(published.get("settings", {}), f"{where}: {CONFIG_FILE} settings")
     name = published.get("scales_file", SCALES_FILE)
     if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):

@@ -1,7 +1,8 @@
 """Quantization primitives: pure tensor functions, no transformers import.
 
 Every scheme the cache can store is one :class:`QuantSpec`: a number format, a granularity that says which
-elements share a scale, and the group size along ``head_dim`` for per-token groups. All functions take cache
+elements share a scale, the group size along ``head_dim`` for per-token groups and the block of tokens that is
+quantized (and packed) as one unit. All functions take cache
 tensors shaped ``[batch, kv_heads, tokens, head_dim]`` and return codes plus scale/zero tensors shaped for
 broadcasting over ``[batch, kv_heads, tokens // token_group, token_group, head_dim // channel_group,
 channel_group]``: one view, one multiply(-add), whatever the granularity. That is what keeps dequantization a
@@ -9,17 +10,14 @@ single vectorized op per layer.
 
 Granularities (``token_group`` x ``channel_group`` elements share a scale):
 
-- ``"channel"``: one scale per (head, channel) per block of ``block_size`` tokens (KIVI-style keys).
+- ``"channel"``: one scale per (head, channel) per block of ``spec.block_size`` tokens (KIVI-style keys).
 - ``"token"``: one scale per token per ``group_size`` channels (values).
 - ``"tensor"``: one scale per block of tokens for all heads and channels (the per-tensor baseline, made
   append-only by giving each block its own scale).
 
-Sub-byte codes (2 to 6 bits) of a block are packed along the *token* axis (:func:`packs_tokens`): the block's
-bytes, ``[block, D * bits / 8]`` as stored, hold ``[block * bits / 8, D]`` rows of packed tokens, so that every
-bit-plane decodes into a run of whole token rows (``block * width / 8 * D`` contiguous elements) instead of a
-few channels of every token. The stored tensor keeps one row per token (``[B, H, T, D * bits / 8]``), so
-slicing at block boundaries, batch reordering and growth are unchanged. Regions that are not whole blocks of a
-suitable size (``block_size`` 1, or not a multiple of ``8 // min(plane_widths(bits))``) pack along ``head_dim``.
+Sub-byte codes (2 to 6 bits) are packed by :mod:`hf_asymkv.core.packing`; :func:`quantize` returns them as
+:class:`~hf_asymkv.core.packing.PackedCodes`, which records whether their bytes run along each block's tokens or
+along ``head_dim``, so no reader ever infers it.
 """
 
 from __future__ import annotations
@@ -29,8 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .packing import PackedCodes, pack_codes, packs_tokens, plane_widths, unpack_codes
+
 __all__ = [
     "FORMATS",
+    "FP8_E4M3_MAX",
     "GRANULARITIES",
     "QuantSpec",
     "scale_from_absmax",
@@ -40,12 +41,6 @@ __all__ = [
     "decode_codes",
     "integer_codes",
     "needs_wider_metadata",
-    "pack_bits",
-    "pack_codes",
-    "packs_tokens",
-    "plane_widths",
-    "unpack_bits",
-    "unpack_codes",
     "sqnr_db",
 ]
 
@@ -62,6 +57,8 @@ FORMATS: dict[str, tuple[int, bool]] = {
 }
 GRANULARITIES = ("channel", "token", "tensor")
 _FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+"""Largest finite FP8-E4M3 value (448): vLLM-style per-tensor scales are ``amax / FP8_E4M3_MAX``."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,8 @@ class QuantSpec:
         rotated: the codes hold ``x @ H`` (an orthonormal Hadamard rotation along ``head_dim``, see
             :mod:`hf_asymkv.core.rotation`), not ``x``; whoever stores or reads them applies ``H`` / ``H^T``. The
             functions of this module quantize whatever they are given and ignore it.
+        block_size: tokens quantized as one unit: the tokens sharing a scale for ``"channel"`` and ``"tensor"``
+            granularity, and the unit of token packing of sub-byte codes (see :mod:`hf_asymkv.core.packing`).
     """
 
     fmt: str
@@ -90,6 +89,7 @@ class QuantSpec:
     symmetric: bool = True
     scale_dtype: torch.dtype = torch.float16
     rotated: bool = False
+    block_size: int = 1
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -100,6 +100,8 @@ class QuantSpec:
             raise ValueError(f"'token' granularity needs a positive group_size, got {self.group_size!r}.")
         if self.is_float and not self.symmetric:
             raise ValueError(f"Float format {self.fmt!r} is symmetric only; got symmetric=False.")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}.")
 
     @property
     def bits(self) -> int:
@@ -122,12 +124,23 @@ class QuantSpec:
             return _FP8_DTYPES[self.fmt]
         return torch.int8 if self.bits == 8 and self.symmetric else torch.uint8
 
-    def groups(self, head_dim: int, block_size: int) -> tuple[int, int]:
+    @property
+    def layout(self) -> str:
+        """How :func:`quantize` packs whole blocks of codes: ``"tokens"`` or ``"head_dim"``
+        (:data:`~hf_asymkv.core.packing.CODE_LAYOUTS`)."""
+        return "tokens" if packs_tokens(self.bits, self.block_size) else "head_dim"
+
+    @property
+    def token_group(self) -> int:
+        """Tokens sharing a scale: ``block_size`` for ``"channel"``/``"tensor"`` granularity, 1 for ``"token"``."""
+        return 1 if self.granularity == "token" else self.block_size
+
+    def groups(self, head_dim: int) -> tuple[int, int]:
         """``(token_group, channel_group)``: how many tokens and channels share one scale."""
         if self.granularity == "channel":
-            return block_size, 1
+            return self.block_size, 1
         if self.granularity == "tensor":
-            return block_size, head_dim
+            return self.block_size, head_dim
         if head_dim % self.group_size:
             raise ValueError(f"group_size={self.group_size} does not divide head_dim={head_dim}.")
         return 1, self.group_size
@@ -153,7 +166,7 @@ def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast positive ``x`` to ``dtype`` so that the result is >= x (and finite)."""
     y = x.to(dtype)
     low = y.float() < x
-    if low.any():
+    if not x.is_cpu or low.any():  # on a GPU the where costs less than the host sync that could skip it
         y = torch.where(low, torch.nextafter(y, torch.full_like(y, math.inf)), y)
     return y.clamp(max=torch.finfo(dtype).max)
 
@@ -162,7 +175,7 @@ def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast ``x`` to ``dtype`` so that the result is <= x (and finite)."""
     y = x.to(dtype)
     high = y.float() > x
-    if high.any():
+    if not x.is_cpu or high.any():  # no host sync on a GPU (see _round_up)
         y = torch.where(high, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
     finfo = torch.finfo(dtype)
     return y.clamp(min=finfo.min, max=finfo.max)
@@ -177,9 +190,7 @@ def scale_from_absmax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return _round_up((amax.float() / spec.qmax).clamp(min=tiny), spec.scale_dtype)
 
 
-def compute_scale_zero(
-    x: torch.Tensor, spec: QuantSpec, block_size: int = 1
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero for asymmetric specs) for ``x``.
 
     Non-finite elements count as 0 when measuring the range: they never widen it beyond 0, and a group that has
@@ -187,15 +198,14 @@ def compute_scale_zero(
     to the group's extremes in :func:`quantize`.
 
     Args:
-        x: ``[B, H, T, D]`` floating tensor; ``T`` a multiple of ``block_size`` for block granularities.
+        x: ``[B, H, T, D]`` floating tensor; ``T`` a multiple of ``spec.block_size`` for block granularities.
         spec: the storage spec.
-        block_size: tokens per block for ``"channel"``/``"tensor"`` granularity.
 
     Returns:
         ``(scale, zero)`` each ``[B, H, T // tg, D // cg]`` in ``spec.scale_dtype``; ``zero`` is None for
         symmetric specs. ``scale`` is strictly positive.
     """
-    tg, cg = spec.groups(x.shape[-1], block_size)
+    tg, cg = spec.groups(x.shape[-1])
     xf = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0)
     g = _grouped(xf, tg, cg)
     tiny = torch.finfo(spec.scale_dtype).tiny
@@ -219,9 +229,7 @@ def _bcast(t: torch.Tensor) -> torch.Tensor:
     return t[:, :, :, None, :, None]
 
 
-def quantize(
-    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec, block_size: int = 1
-) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> PackedCodes:
     """Encode ``x`` with the given scale/zero.
 
     Values beyond the representable range saturate. +-inf saturate to the group's largest / smallest
@@ -234,9 +242,10 @@ def quantize(
         scale, zero: from :func:`compute_scale_zero` (or calibrated), ``[B, H, T // tg, D // cg]``.
 
     Returns:
-        codes ``[B, H, T, spec.packed_dim(D)]`` of ``spec.code_dtype``.
+        :class:`~hf_asymkv.core.packing.PackedCodes`, data ``[B, H, T, spec.packed_dim(D)]`` of ``spec.code_dtype``:
+        whole blocks in ``spec.layout``, other token counts along ``head_dim``.
     """
-    tg, cg = spec.groups(x.shape[-1], block_size)
+    tg, cg = spec.groups(x.shape[-1])
     xf = x.float()
     xf = torch.where(torch.isnan(xf), 0.0, xf)  # NaN -> the value 0 (before the zero shift: asymmetric too)
     g = _grouped(xf, tg, cg)
@@ -245,22 +254,21 @@ def quantize(
     y = (g / _bcast(scale).float()).reshape(x.shape)
     y = torch.nan_to_num(y, nan=0.0)
     if spec.is_float:
-        return y.clamp(-spec.qmax, spec.qmax).to(spec.code_dtype)
+        return pack_codes(y.clamp(-spec.qmax, spec.qmax).to(spec.code_dtype), spec.bits, spec.block_size)
     lo = -spec.qmax if spec.symmetric else 0.0
     codes = y.round_().clamp_(lo, spec.qmax)
     if spec.bits == 8:
-        return codes.to(spec.code_dtype)
+        return pack_codes(codes.to(spec.code_dtype), spec.bits, spec.block_size)
     if spec.symmetric:  # store the signed code with an offset so that it packs as an unsigned nibble
         codes += 2 ** (spec.bits - 1)
-    return pack_codes(codes.to(torch.uint8), spec.bits, block_size)
+    return pack_codes(codes.to(torch.uint8), spec.bits, spec.block_size)
 
 
 def dequantize(
-    codes: torch.Tensor,
+    codes: PackedCodes,
     scale: torch.Tensor,
     zero: torch.Tensor | None,
     spec: QuantSpec,
-    block_size: int = 1,
     *,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
@@ -268,7 +276,7 @@ def dequantize(
     """Decode codes back to ``dtype``: codes are converted straight into the output, then scaled in place.
 
     Args:
-        codes: ``[B, H, T, packed_dim]`` from :func:`quantize`.
+        codes: from :func:`quantize` (``[B, H, T, packed_dim]`` data).
         scale, zero: ``[B, H, T // tg, D // cg]``.
         dtype: output dtype (the model's); arithmetic runs in it.
         out: optional ``[B, H, T, D]`` destination (e.g. a slice of the dense K/V handed to attention).
@@ -281,9 +289,9 @@ def dequantize(
     over ``out``, without the allocation. Sub-byte codes are unpacked in bytes first (:func:`decode_codes`). In float32 the result is exact to one
     rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once).
     """
-    out = decode_codes(codes, spec, block_size, dtype=dtype, out=out)
+    out = decode_codes(codes, spec, dtype=dtype, out=out)
     head_dim = out.shape[-1]
-    tg, cg = spec.groups(head_dim, block_size)
+    tg, cg = spec.groups(head_dim)
     dest = _grouped(out, tg, cg)
     factor = _bcast(_factor(scale, dtype))
     if zero is None:
@@ -318,150 +326,34 @@ def needs_wider_metadata(x: torch.Tensor, spec: QuantSpec) -> bool:
     return bool(amax > torch.finfo(spec.scale_dtype).max / 2)
 
 
-def decode_codes(codes: torch.Tensor, spec: QuantSpec, block_size: int = 1, *, dtype: torch.dtype = torch.float32,
+def decode_codes(codes: PackedCodes, spec: QuantSpec, *, dtype: torch.dtype = torch.float32,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Stored codes -> the integer (or fp8) code values in ``dtype``, before scale and zero: ``[B, H, T, D]``.
 
-    Sub-byte codes are unpacked into bytes (:func:`unpack_codes`; ``block_size`` says how ``quantize`` packed
-    them), symmetric ones get their storage offset removed there, and one conversion writes ``out``. Integers
+    Sub-byte codes are unpacked into bytes (:func:`~hf_asymkv.core.packing.unpack_codes`, in the layout the codes
+    carry), symmetric ones get their storage offset removed there, and one conversion writes ``out``. Integers
     up to 8 bits are exact in every float dtype.
+
+    Raises:
+        ValueError: codes of another width than ``spec``'s.
     """
-    b, h, t, _ = codes.shape
-    head_dim = codes.shape[-1] if spec.is_float or spec.bits == 8 else codes.shape[-1] * 8 // spec.bits
+    if codes.bits != spec.bits:
+        raise ValueError(f"codes are {codes.bits}-bit, the spec ({spec.fmt}) reads {spec.bits}-bit codes.")
+    b, h, t, _ = codes.data.shape
     if out is None:
-        out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
+        out = torch.empty(b, h, t, codes.head_dim, dtype=dtype, device=codes.device)
     if spec.is_float or spec.bits == 8:
-        return out.copy_(codes)
-    return out.copy_(integer_codes(codes, spec, block_size))
+        return out.copy_(codes.data)
+    return out.copy_(integer_codes(codes, spec))
 
 
-def integer_codes(codes: torch.Tensor, spec: QuantSpec, block_size: int = 1) -> torch.Tensor:
+def integer_codes(codes: PackedCodes, spec: QuantSpec) -> torch.Tensor:
     """Integer codes of a sub-byte ``spec`` as bytes: ``[B, H, T, D]``, a new tensor, uint8 (asymmetric, codes in
     ``[0, 2**bits)``) or int8 (symmetric, the storage offset removed). Both fit int8 (at most 6 bits)."""
-    ints = unpack_codes(codes, spec.bits, block_size)
+    ints = unpack_codes(codes)
     if spec.symmetric:  # stored with an offset of 2**(bits-1) so that the code packs as unsigned
         ints = ints.view(torch.int8).sub_(2 ** (spec.bits - 1))
     return ints
-
-
-def packs_tokens(bits: int, block_size: int, tokens: int | None = None) -> bool:
-    """Whether ``quantize`` packs ``bits``-wide codes of ``tokens`` tokens along the token axis, block by block.
-
-    Yes for sub-byte codes in blocks of ``block_size`` > 1 tokens that every bit-plane divides (a multiple of
-    ``8 // min(plane_widths(bits))``: 2 for 4 bits, 4 for 2 and 6 bits, 8 for 3 and 5 bits) when ``tokens`` is
-    a whole number of blocks; otherwise codes pack along ``head_dim`` (:func:`pack_bits`).
-    """
-    if bits >= 8 or block_size < 2 or block_size % (8 // min(plane_widths(bits))):
-        return False
-    return tokens is None or tokens % block_size == 0
-
-
-def pack_codes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    """Pack unsigned codes ``[B, H, T, D]`` (uint8, ``< 2**bits``) into ``[B, H, T, D * bits // 8]`` bytes.
-
-    Token packing (:func:`packs_tokens`): each block's ``[block_size, D]`` codes are packed along the token
-    axis with :func:`pack_bits` into ``[block_size * bits // 8, D]`` byte rows, stored in the block's
-    ``[block_size, D * bits // 8]`` slot (same bytes, row-major). Byte row ``i`` of plane ``j`` of a plane set
-    of width ``w`` holds token ``i + j * block_size * w // 8`` of the block. Otherwise :func:`pack_bits` along
-    ``head_dim``. 8-bit codes are returned as they are.
-    """
-    if bits >= 8:
-        return codes
-    b, h, t, d = codes.shape
-    if not packs_tokens(bits, block_size, t):
-        return pack_bits(codes, bits)
-    tokens_last = codes.reshape(b, h, t // block_size, block_size, d).transpose(-1, -2)  # [B, H, nb, D, bs]
-    packed = pack_bits(tokens_last, bits).transpose(-1, -2)  # [B, H, nb, bs * bits // 8, D]
-    return packed.contiguous().view(b, h, t, d * bits // 8)
-
-
-def unpack_codes(codes: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: ``[B, H, T, P]`` -> a new uint8 ``[B, H, T, P * 8 // bits]``.
-
-    Token-packed blocks decode plane by plane: one shift-and-mask of the plane set's byte rows per plane,
-    written into a run of whole token rows of every block (``block_size * w // 8 * D`` contiguous elements),
-    high planes OR-ed in with their shift. Every operation works on bytes; callers convert once.
-    """
-    if bits >= 8:
-        return codes.clone()
-    b, h, t, p = codes.shape
-    if not packs_tokens(bits, block_size, t):
-        return unpack_bits(codes, bits)
-    d, nb = p * 8 // bits, t // block_size
-    rows = codes.reshape(b, h, nb, block_size * bits // 8, d)  # a view for block-aligned slices of a buffer
-    out = torch.empty(b, h, nb, block_size, d, dtype=torch.uint8, device=codes.device)
-    start, shift = 0, 0
-    for width in plane_widths(bits):
-        per_byte, r = 8 // width, block_size * width // 8
-        part, mask = rows[:, :, :, start : start + r], (1 << width) - 1
-        for j in range(per_byte):
-            dest, down = out[:, :, :, j * r : (j + 1) * r], j * width
-            if shift:  # bits [down, down + width) of the byte to bits [shift, shift + width) of the code
-                moved = part >> (down - shift) if down >= shift else part << (shift - down)
-                dest |= moved & (mask << shift)
-            elif j == 0:
-                torch.bitwise_and(part, mask, out=dest)
-            elif j == per_byte - 1:  # the top plane needs no mask
-                torch.bitwise_right_shift(part, down, out=dest)
-            else:
-                torch.bitwise_and(part >> down, mask, out=dest)
-        start, shift = start + r, shift + width
-    return out.view(b, h, t, d)
-
-
-def plane_widths(bits: int) -> tuple[int, ...]:
-    """How ``bits``-wide codes are split for packing: widths that divide 8, low bits first (3 -> (2, 1))."""
-    if not 1 <= bits <= 8:
-        raise ValueError(f"codes must be 1 to 8 bits wide, got {bits}.")
-    return tuple(w for w in (4, 2, 1) if bits & w) if 8 % bits else (bits,)
-
-
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``bits``-wide codes (``uint8`` in ``[0, 2**bits)``) along the last axis, in bit-planes.
-
-    For widths that divide 8 (1, 2, 4), with ``P = D * bits // 8``, byte ``i`` holds
-    element ``i + j*P`` in bits ``[j*bits, (j+1)*bits)``: plane ``j`` (channels ``[j*P, (j+1)*P)``) is one shift-and-mask away from a
-    contiguous slice, so decoding writes each plane into a contiguous slice of the output instead of
-    interleaving nibbles. Other widths are split into such parts (:func:`plane_widths`, e.g. 3 = 2 + 1: the low
-    2 bits of every code packed 4 per byte, then the high bit packed 8 per byte), concatenated along the last
-    axis: still exactly ``D * bits / 8`` bytes.
-
-    Args:
-        codes: ``[..., D]`` uint8 with ``D`` a multiple of ``8 // min(plane_widths(bits))``.
-
-    Returns:
-        ``[..., D * bits // 8]`` uint8.
-    """
-    widths = plane_widths(bits)
-    if len(widths) > 1:
-        parts, shift = [], 0
-        for w in widths:
-            part = (codes >> shift) if shift else codes
-            parts.append(pack_bits(part & ((1 << w) - 1), w))
-            shift += w
-        return torch.cat(parts, dim=-1)
-    per_byte = 8 // bits
-    planes = codes.reshape(*codes.shape[:-1], per_byte, codes.shape[-1] // per_byte)
-    out = planes[..., 0, :].clone()
-    for j in range(1, per_byte):
-        out |= planes[..., j, :] << (j * bits)
-    return out
-
-
-def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: ``[..., P]`` uint8 -> ``[..., P * 8 // bits]`` uint8."""
-    widths = plane_widths(bits)
-    if len(widths) > 1:
-        head_dim = packed.shape[-1] * 8 // bits
-        out, start, shift = None, 0, 0
-        for w in widths:
-            size = head_dim * w // 8
-            part = unpack_bits(packed[..., start : start + size], w)
-            out = part if out is None else out.bitwise_or_(part << shift)
-            start, shift = start + size, shift + w
-        return out
-    mask = (1 << bits) - 1
-    return torch.cat([(packed >> (j * bits)) & mask for j in range(8 // bits)], dim=-1)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

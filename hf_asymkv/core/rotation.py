@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .packing import PackedCodes
 from .quant import QuantSpec, dequantize, integer_codes
 
 __all__ = ["dequantize_rotated", "hadamard", "hadamard_block", "rotate", "unrotate"]
@@ -75,26 +76,25 @@ def _signs_cpu(dim: int) -> torch.Tensor:
     return (_hadamard_cpu(dim, torch.float64) * math.sqrt(block)).round().to(torch.int8).T.contiguous()
 
 
-def _integer_path(codes: torch.Tensor, spec: QuantSpec, head_dim: int) -> bool:
+def _integer_path(codes: PackedCodes, spec: QuantSpec, head_dim: int) -> bool:
     """Per-token codes, one group per token, that fit int8, on a CPU with int8 matmuls."""
     return (codes.device.type == "cpu" and hasattr(torch, "_int_mm") and not spec.is_float and spec.bits <= 7
             and spec.granularity == "token" and spec.group_size == head_dim)
 
 
-def dequantize_rotated(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
-                       block_size: int = 1, *, dtype: torch.dtype = torch.float32,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_rotated(codes: PackedCodes, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec, *,
+                       dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode codes of ``x @ H`` back to ``x``: ``dequantize(...) @ H^T``, ``[B, H, T, D]`` in ``dtype``.
 
     Args: as :func:`~hf_asymkv.core.quant.dequantize` (``out``: an optional ``[B, H, T, D]`` destination).
     """
-    b, h, t, packed = codes.shape
-    head_dim = packed if spec.is_float or spec.bits == 8 else packed * 8 // spec.bits
+    b, h, t, _ = codes.data.shape
+    head_dim = codes.head_dim
     if not _integer_path(codes, spec, head_dim):
-        region = dequantize(codes, scale, zero, spec, block_size, dtype=dtype)
+        region = dequantize(codes, scale, zero, spec, dtype=dtype)
         rotated_back = unrotate(region)
         return rotated_back if out is None else out.copy_(rotated_back)
-    ints = integer_codes(codes, spec, block_size).view(torch.int8).view(-1, head_dim)
+    ints = integer_codes(codes, spec).view(torch.int8).view(-1, head_dim)
     product = torch._int_mm(ints, _signs_cpu(head_dim)).view(b, h, t, head_dim)  # exact
     # float32 arithmetic (half-precision outputs get one final rounding: the zero term and the product's first
     # column nearly cancel, which a half-precision intermediate would turn into a large relative error); a float32

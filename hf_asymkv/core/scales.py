@@ -1,4 +1,8 @@
-"""`KVScales`: calibrated K/V ranges, the `kv_scales.safetensors` file, and its validation.
+"""`KVScales`: calibrated K/V ranges, the calibrated scales file (``kv_scales.safetensors``, format
+``hf_asymkv.kv_scales``), and its validation.
+
+Not to be confused with the vLLM scale file that ``hf-asymkv export-vllm`` writes (only vLLM's per-tensor
+``k_scale`` / ``v_scale``, :data:`hf_asymkv.hub.vllm.VLLM_SCALES_FILE`), which this module does not read.
 
 File layout (every tensor float32):
 
@@ -25,13 +29,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .fileio import atomic_write
+from .quant import FP8_E4M3_MAX
+from .shapes import layer_shapes
 
-__all__ = ["KVScales", "FORMAT_NAME", "FORMAT_VERSION", "FP8_E4M3_MAX", "config_fingerprint"]
+__all__ = ["FP8_E4M3_MAX", "KVScales", "SCALES_FORMAT", "SCALES_FORMAT_VERSION", "SUPPORTED_SCALES_FORMAT_VERSIONS",
+           "config_fingerprint"]
 
-FORMAT_NAME = "hf_asymkv.kv_scales"
-FORMAT_VERSION = "1"
-SUPPORTED_VERSIONS = ("1",)
-FP8_E4M3_MAX = 448.0
+SCALES_FORMAT = "hf_asymkv.kv_scales"
+"""``format`` metadata of the calibrated scales file."""
+SCALES_FORMAT_VERSION = "1"
+SUPPORTED_SCALES_FORMAT_VERSIONS = ("1",)
+"""``format_version`` values :meth:`KVScales.load` reads."""
 _PREFIX = "model.layers.{}.self_attn."
 _REQUIRED_META = ("format", "format_version", "fingerprint")
 
@@ -43,18 +51,34 @@ def save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, s
     write(tensors, path, metadata=metadata)
 
 
+def _uniform_or_per_layer(values: list[int]) -> int | list[int]:
+    """One number when every layer agrees (what files of homogeneous models always stored), else the list."""
+    return values[0] if len(set(values)) == 1 else values
+
+
 def config_fingerprint(config) -> dict:
-    """What a scales file must agree with: layer count, kv heads, head_dim, rope settings, layer types."""
+    """What a scales file must agree with: layer count, kv heads, head_dim, rope settings, layer types.
+
+    ``num_key_value_heads`` and ``head_dim`` are single numbers when every layer with KV has the same (the form
+    every file of a homogeneous model holds) and per-layer lists (one entry per cache layer,
+    :func:`~hf_asymkv.core.shapes.layer_shapes`) when they differ (Gemma4's full-attention layers).
+    """
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    shapes = layer_shapes(config)
+    kv = [shape for shape in shapes if shape.holds_kv] or shapes
+    heads = _uniform_or_per_layer([shape.kv_heads for shape in kv])
+    head_dims = _uniform_or_per_layer([shape.head_dim for shape in kv])
+    per_layer = isinstance(heads, list) or isinstance(head_dims, list)
+    if per_layer:
+        heads, head_dims = [shape.kv_heads for shape in shapes], [shape.head_dim for shape in shapes]
     rope = getattr(text, "rope_parameters", None) or {"rope_theta": getattr(text, "rope_theta", None)}
     if isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values()):  # per-layer-type rope
         rope = {k: v for k, v in sorted(rope.items())}
     return {
         "model_type": getattr(text, "model_type", None),
         "num_hidden_layers": int(text.num_hidden_layers),
-        "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
-        "head_dim": int(head_dim),
+        "num_key_value_heads": heads,
+        "head_dim": head_dims,
         "rope": json.loads(json.dumps(rope, default=str, sort_keys=True)),
         "layer_types": list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers),
     }
@@ -101,7 +125,7 @@ class KVScales:
         """Validate, then write atomically. Returns the path."""
         self.validate()
         # The writer stamps the format it writes: metadata carried over (e.g. from a loaded file) cannot override it.
-        meta = {**self.metadata, "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+        meta = {**self.metadata, "format": SCALES_FORMAT, "format_version": SCALES_FORMAT_VERSION}
         # clone: safetensors refuses tensors that share memory (e.g. one range reused for several layers)
         tensors = {k: v.detach().clone().contiguous() for k, v in self.to_tensors().items()}
         return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={k: str(v) for k, v in meta.items()}))
@@ -127,11 +151,11 @@ class KVScales:
         missing_meta = [k for k in _REQUIRED_META if k not in metadata]
         if missing_meta:
             raise ValueError(f"{path}: not an hf_asymkv scales file, metadata lacks {missing_meta}")
-        if metadata["format"] != FORMAT_NAME:
-            raise ValueError(f"{path}: format is {metadata['format']!r}, expected {FORMAT_NAME!r}")
-        if metadata["format_version"] not in SUPPORTED_VERSIONS:
+        if metadata["format"] != SCALES_FORMAT:
+            raise ValueError(f"{path}: format is {metadata['format']!r}, expected {SCALES_FORMAT!r}")
+        if metadata["format_version"] not in SUPPORTED_SCALES_FORMAT_VERSIONS:
             raise ValueError(f"{path}: format_version {metadata['format_version']!r} is not supported "
-                             f"(supported: {list(SUPPORTED_VERSIONS)}); upgrade hf-asymkv")
+                             f"(supported: {list(SUPPORTED_SCALES_FORMAT_VERSIONS)}); upgrade hf-asymkv")
         try:
             fingerprint = json.loads(metadata["fingerprint"])
         except json.JSONDecodeError:
@@ -209,12 +233,13 @@ class KVScales:
 
     def _check_config(self, config) -> None:
         expected = config_fingerprint(config)
-        n_layers, heads, head_dim = expected["num_hidden_layers"], expected["num_key_value_heads"], expected["head_dim"]
+        n_layers, shapes = expected["num_hidden_layers"], layer_shapes(config)
         bad_layers = [i for i in self.k_channel_absmax if not 0 <= i < n_layers]
         if bad_layers:
             raise ValueError(f"scales name layers {bad_layers} but the model has {n_layers} layers "
                              "(a file calibrated for another model?)")
         for i, k in self.k_channel_absmax.items():
+            heads, head_dim = (shapes[i].kv_heads, shapes[i].head_dim) if i < len(shapes) else (None, None)
             if tuple(k.shape) != (heads, head_dim):
                 raise ValueError(f"layer {i}: k_channel_absmax is {tuple(k.shape)}, the model needs "
                                  f"[{heads}, {head_dim}] (a file calibrated for another model?)")

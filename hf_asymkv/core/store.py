@@ -4,23 +4,28 @@ A :class:`TensorStore` holds, in token order::
 
     [ sinks (exact) ][ quantized blocks: codes, scales, zeros ][ window (exact) ]
 
-K and V each get one, built from their own :class:`~hf_asymkv.core.quant.QuantSpec`; everything else about
-them is the same code path. :class:`~hf_asymkv.core.layer.AsymKVLayer` decides *how many* tokens go where
+plus, for left-padded rows, exact copies of their own first tokens where those lie in the blocks
+(:class:`~hf_asymkv.core.sinks.SinkOverlay`).
+
+K and V each get one, built from their own :class:`~hf_asymkv.core.quant.QuantSpec` (which carries the block
+size) and the layer's :class:`~hf_asymkv.core.config.Growth`; everything else about them is the same code path. :class:`~hf_asymkv.core.layer.AsymKVLayer` decides *how many* tokens go where
 (one decision for both kinds), the stores carry it out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from .attention import QuantizedKV
+from .config import Growth
+from .kv_view import QuantizedKV, write_rows
+from .packing import PackedCodes
 from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metadata, quantize
 from .rotation import dequantize_rotated, rotate
+from .sinks import SinkOverlay
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore"]
 
@@ -36,18 +41,18 @@ class GrowableBuffer:
     def live(self) -> torch.Tensor:
         return self.data[:, :, : self.length]
 
-    def append(self, x: torch.Tensor, growth: float, multiple: int = 1, max_step: int | None = None) -> None:
+    def append(self, x: torch.Tensor, growth: Growth | None = None, multiple: int = 1,
+               max_step: int | None = None) -> None:
         """Append ``x`` (``[B, H, n, ...]``).
 
-        When full, capacity grows by ``growth`` x, by at most ``max_step`` rows, rounded up to ``multiple``:
-        one copy of the live rows per growth, so O(n / max_step) copies over n appended rows.
+        When full, capacity grows as ``growth`` says (by ``growth.factor`` x, by at most ``max_step`` rows,
+        default ``growth.max_tokens``), rounded up to ``multiple``: one copy of the live rows per growth, so
+        O(n / max_step) copies over n appended rows. ``growth=None``: exactly the rows needed.
         """
         needed = self.length + x.shape[2]
         if self.data is None or needed > self.data.shape[2]:
             cap = 0 if self.data is None else self.data.shape[2]
-            step = math.ceil(cap * (growth - 1))
-            new_cap = max(needed, cap + (step if max_step is None else min(step, max_step)))
-            new_cap = -(-new_cap // multiple) * multiple
+            new_cap = needed if growth is None else growth.capacity(cap, needed, multiple, max_step)
             new = x.new_empty(*x.shape[:2], new_cap, *x.shape[3:])
             if self.length:
                 new[:, :, : self.length] = self.live
@@ -67,7 +72,7 @@ class GrowableBuffer:
         self.length = 0
         if self.data.shape[2] > 2 * rest.shape[2] + 64:
             self.data = None
-        self.append(rest, 1.0)
+        self.append(rest)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.data is not None:
@@ -84,23 +89,28 @@ class GrowableBuffer:
 class QuantizedBlocks:
     """Append-only quantized blocks of one tensor kind.
 
-    Shapes: codes ``[B, H, N, spec.packed_dim(D)]``; scales and zeros ``[B, H, N // tg, D // cg]`` with
-    ``(tg, cg) = spec.groups(D, block_size)`` (zeros stay empty for symmetric specs). ``N`` is a multiple of
-    ``block_size``: blocks are quantized once, whole, and never re-quantized.
+    Shapes: codes ``[B, H, N, spec.packed_dim(D)]`` in ``spec.layout`` (token-packed sub-byte codes of whole
+    blocks, see :mod:`~hf_asymkv.core.packing`); scales and zeros ``[B, H, N // tg, D // cg]`` with
+    ``(tg, cg) = spec.groups(D)`` (zeros stay empty for symmetric specs). ``N`` is a multiple of
+    ``spec.block_size``: blocks are quantized once, whole, and never re-quantized.
     """
 
-    def __init__(self, spec: QuantSpec, block_size: int, growth_factor: float, max_growth_tokens: int):
-        self.spec, self.block_size = spec, block_size
-        self.growth_factor = growth_factor
-        self.max_step = max(block_size, max_growth_tokens // block_size * block_size)
+    def __init__(self, spec: QuantSpec, growth: Growth):
+        self.spec, self.growth = spec, growth
         self.codes, self.scales, self.zeros = GrowableBuffer(), GrowableBuffer(), GrowableBuffer()
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def max_step(self) -> int:
+        """The most code rows one growth adds: ``growth.max_tokens`` rounded down to whole blocks (one at least)."""
+        return max(self.block_size, self.growth.max_tokens // self.block_size * self.block_size)
 
     @property
     def length(self) -> int:
         return self.codes.length
-
-    def token_group(self, head_dim: int) -> int:
-        return self.spec.groups(head_dim, self.block_size)[0]
 
     def fit(self, x: torch.Tensor) -> QuantSpec:
         """Make the metadata dtype hold ``x``'s range and return the spec to quantize ``x`` with.
@@ -135,33 +145,31 @@ class QuantizedBlocks:
         self.fit(x)
         zero = None
         if scale is None:
-            scale, zero = compute_scale_zero(x, self.spec, self.block_size)
+            scale, zero = compute_scale_zero(x, self.spec)
         m = x.shape[2]
-        self.codes.append(quantize(x, scale, zero, self.spec, self.block_size), self.growth_factor,
-                          self.block_size, self.max_step)
+        codes = quantize(x, scale, zero, self.spec)
+        self.codes.append(codes.data, self.growth, self.block_size, self.max_step)
         for buf, meta in ((self.scales, scale), (self.zeros, zero)):
             if meta is not None:  # metadata rows per token: 1 / token_group
-                buf.append(meta, self.growth_factor, 1, max(1, self.max_step * meta.shape[2] // m))
+                buf.append(meta, self.growth, 1, max(1, self.max_step * meta.shape[2] // m))
         return nonfinite
 
-    def parts(self, n: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(codes, scales, zeros)`` of the first ``n`` quantized tokens (views)."""
-        rows = n // self.token_group(head_dim)
-        zeros = self.zeros.live[:, :, :rows] if self.zeros.length else None
-        return self.codes.live[:, :, :n], self.scales.live[:, :, :rows], zeros
-
-    def decode(self, start: int, stop: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantize tokens ``[start, stop)`` (block-aligned), rotated back: ``[B, H, stop - start, head_dim]``."""
-        tg = self.token_group(head_dim)
+    def parts(self, start: int, stop: int) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scales, zeros)`` of quantized tokens ``[start, stop)`` (block-aligned; views)."""
+        tg = self.spec.token_group
         r0, r1 = start // tg, stop // tg
+        codes = PackedCodes(self.codes.live, self.spec.bits, self.spec.layout, self.block_size)
         zeros = self.zeros.live[:, :, r0:r1] if self.zeros.length else None
-        read = dequantize_rotated if self.spec.rotated else dequantize
-        return read(self.codes.live[:, :, start:stop], self.scales.live[:, :, r0:r1], zeros, self.spec,
-                    self.block_size, dtype=dtype)
+        return codes.token_slice(start, stop), self.scales.live[:, :, r0:r1], zeros
 
-    def truncate(self, n: int, head_dim: int) -> None:
+    def decode(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize tokens ``[start, stop)`` (block-aligned), rotated back: ``[B, H, stop - start, head_dim]``."""
+        read = dequantize_rotated if self.spec.rotated else dequantize
+        return read(*self.parts(start, stop), self.spec, dtype=dtype)
+
+    def truncate(self, n: int) -> None:
         """Keep the first ``n`` (block-aligned) tokens."""
-        rows = n // self.token_group(head_dim)
+        rows = n // self.spec.token_group
         self.codes.truncate(n)
         self.scales.truncate(rows)
         self.zeros.truncate(rows if self.zeros.length else 0)
@@ -175,14 +183,16 @@ class TensorStore:
 
     Args:
         kind: names the parts in :meth:`memory_footprint` (``key_codes``, ``sink_keys``, ...).
-        spec: how the quantized blocks are stored.
-        block_size, growth_factor, max_growth_tokens: see :class:`~hf_asymkv.core.layer.AsymKVLayer`.
+        spec: how the quantized blocks are stored (block size included).
+        growth: how the buffers grow.
+        sink_tokens: the size of a left-padded row's exact sink overlay.
     """
 
-    def __init__(self, kind: str, spec: QuantSpec, block_size: int, growth_factor: float, max_growth_tokens: int):
-        self.kind, self.growth_factor = kind, growth_factor
+    def __init__(self, kind: str, spec: QuantSpec, growth: Growth, sink_tokens: int = 0):
+        self.kind, self.growth = kind, growth
         self.sinks, self.window = GrowableBuffer(), GrowableBuffer()
-        self.blocks = QuantizedBlocks(spec, block_size, growth_factor, max_growth_tokens)
+        self.blocks = QuantizedBlocks(spec, growth)
+        self.overlay = SinkOverlay(sink_tokens)
         self.head_dim = 0
 
     @property
@@ -192,9 +202,23 @@ class TensorStore:
 
     def check_width(self, head_dim: int) -> None:
         """Fail at the first update, with the shapes at hand, rather than deep inside a reshape."""
-        self.spec.groups(head_dim, self.blocks.block_size)
+        self.spec.groups(head_dim)
         self.spec.packed_dim(head_dim)
         self.head_dim = head_dim
+
+    def respec(self, spec: QuantSpec, growth: Growth) -> None:
+        """Store future blocks with ``spec`` and grow with ``growth``; only while no block is stored (the exact sinks
+        and window are kept as they are).
+
+        Raises:
+            ValueError: blocks are already stored, or ``spec`` does not fit the head_dim seen so far.
+        """
+        if self.blocks.length:
+            raise ValueError(f"cannot change how {self.kind}s are stored: {self.blocks.length} tokens are already "
+                             "quantized (change settings before the first block, e.g. right after the prefill).")
+        self.blocks, self.growth = QuantizedBlocks(spec, growth), growth
+        if self.head_dim:
+            self.check_width(self.head_dim)
 
     def joined(self, new: torch.Tensor) -> torch.Tensor:
         """Window + ``new`` tokens; bounded by ``residual_length + block_size + n`` (never the whole cache)."""
@@ -212,15 +236,21 @@ class TensorStore:
             is); and the number of non-finite elements quantized.
         """
         if n_sink:
-            self.sinks.append(new[:, :, :n_sink], 1.0)
+            self.sinks.append(new[:, :, :n_sink])
             new = new[:, :, n_sink:]
+        # While nothing is quantized the window grows by exactly what comes in, as a DynamicCache does: a short
+        # prompt then holds no more bytes than a DynamicCache (growth slack would make it hold more).
+        growth = self.growth if self.blocks.length else None
         if not n_flush:
-            self.window.append(new, self.growth_factor)
+            self.window.append(new, growth)
             return self.window.live, 0
         tail = self.joined(new)
+        self.overlay.capture(tail[:, :, :n_flush], self.sinks.length + self.blocks.length)
+        if not self.blocks.length:  # the first flush: release the tight window's capacity (tail is a copy)
+            self.window.data = None
         nonfinite = self.blocks.append(tail[:, :, :n_flush], scale)
         self.window.truncate(0)
-        self.window.append(tail[:, :, n_flush:], self.growth_factor)
+        self.window.append(tail[:, :, n_flush:], self.growth)
         return tail, nonfinite
 
     def flush(self, n_flush: int, scale: torch.Tensor | None = None) -> int:
@@ -231,6 +261,7 @@ class TensorStore:
         """
         if not n_flush:
             return 0
+        self.overlay.capture(self.window.live[:, :, :n_flush], self.sinks.length + self.blocks.length)
         nonfinite = self.blocks.append(self.window.live[:, :, :n_flush], scale)
         self.window.drop_front(n_flush)
         return nonfinite
@@ -239,16 +270,18 @@ class TensorStore:
         """What attention gets: sinks + the first ``n_old`` quantized tokens + ``tail``, ``[B, H, seq, D]``.
 
         Dense (one vectorized decode into a fresh tensor), or with ``as_views`` the stored parts as a
-        :class:`~hf_asymkv.core.attention.QuantizedKV` for the fused attention. Nothing handed out aliases the
+        :class:`~hf_asymkv.core.kv_view.QuantizedKV` for the fused attention. Nothing handed out aliases the
         window buffer, which later updates rewrite in place.
         """
         if n_old == 0:
             if self.sinks.length:
                 return torch.cat([self.sinks.live, tail], dim=2)
             return tail.clone() if tail._base is not None else tail
-        codes, scales, zeros = self.blocks.parts(n_old, tail.shape[-1])
-        kv = QuantizedKV(self.sinks.live if self.sinks.length else None, codes, scales, zeros, self.spec,
-                         self.blocks.block_size, tail.clone() if as_views and tail._base is not None else tail)
+        codes, scales, zeros = self.blocks.parts(0, n_old)
+        ns = self.sinks.length
+        kv = QuantizedKV(self.sinks.live if ns else None, codes, scales, zeros, self.spec,
+                         tail.clone() if as_views and tail._base is not None else tail,
+                         self.overlay.view(ns, ns + n_old))
         return kv if as_views else kv.dense()
 
     def crop(self, keep: int, dtype: torch.dtype) -> int:
@@ -267,9 +300,13 @@ class TensorStore:
         bs = self.blocks.block_size
         whole, partial = keep_q // bs * bs, keep_q % bs
         if partial:
-            block = self.blocks.decode(whole, whole + bs, self.head_dim, dtype)
-            self.window.append(block[:, :, :partial], self.growth_factor)
-        self.blocks.truncate(whole, self.head_dim)
+            block = self.blocks.decode(whole, whole + bs, dtype)
+            start = ns + whole
+            overlay = self.overlay.view(start, start + bs)
+            if overlay is not None:  # padded rows' sinks go back to the window exact
+                write_rows(block, 2, overlay.positions - start, overlay.valid, overlay.tokens)
+            self.window.append(block[:, :, :partial], self.growth)
+        self.blocks.truncate(whole)
         self.sinks.truncate(min(keep, ns))
         return partial
 
@@ -281,6 +318,7 @@ class TensorStore:
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for buf in self.buffers().values():
             buf.map_batch(fn)
+        self.overlay.map_batch(fn)
 
     def memory_footprint(self) -> Counter:
         out: Counter = Counter()
@@ -288,4 +326,6 @@ class TensorStore:
             allocated, unused = buf.nbytes()
             out[name] += allocated
             out["unused_capacity"] += unused
+        if self.overlay.nbytes():
+            out[f"padded_sink_{self.kind}s"] += self.overlay.nbytes()
         return out

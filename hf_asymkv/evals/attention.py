@@ -16,7 +16,7 @@ best head) marks where induction-style heads sit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -106,8 +106,9 @@ def induction_scores(model, n: int = 128, seed: int = 0, prefix_ids: list[int] |
     return scores
 
 
-def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int) -> dict[str, list[dict]]:
-    """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference)."""
+def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int,
+                tick: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
+    """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference); ``tick`` after each scheme."""
     prefilled = make_cache("dynamic", model.config)
     with torch.no_grad():
         model(input_ids=ids[:, :-queries], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
@@ -116,14 +117,17 @@ def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int) -> d
         probs = _attentions(model, cache_from_prefix(make_cache(name, model.config), prefilled), ids[:, -queries:])
         ref = probs if ref is None else ref
         out[name] = [attention_stats(r, p) for r, p in zip(ref, probs)]
+        if tick:
+            tick(f"{name} ({len(out)}/{len(schemes)})")
     return out
 
 
 def run_attention(model, tokenizer, schemes: list[str], length: int, samples: int = 2, queries: int = 32,
                   haystack: str = "noise", text: str | None = None, seed: int = 0,
-                  show_progress: bool = True) -> list[AttentionRow]:
+                  show_progress: bool = True, tick: Callable[[str], None] | None = None) -> list[AttentionRow]:
     """Per-layer KL and top-k overlap of every scheme against ``schemes[0]`` (``dynamic``), over ``samples``
-    multi-key retrieval prompts of ``length`` tokens with the target at depths spread over the document.
+    multi-key retrieval prompts of ``length`` tokens with the target at depths spread over the document;
+    ``tick`` is called after each (prompt, scheme) with where the run is (:class:`.common.Heartbeat`).
 
     Raises:
         ValueError: length beyond the model's limit, samples < 1, queries outside [1, length / 2].
@@ -143,7 +147,8 @@ def run_attention(model, tokenizer, schemes: list[str], length: int, samples: in
     for i in progress(range(samples), total=samples, desc="attention prompts", enabled=show_progress):
         depth = (i + 0.5) / samples
         task = make_task(tokenizer, "multikey", length, round(depth, 3), seed + i, haystack, sentences)
-        stats = _one_prompt(model, encode_prompt(tokenizer, task).to(input_device(model)), schemes, queries)
+        step = (lambda where, i=i: tick(f"attention prompt {i + 1}/{samples}, {where}")) if tick else None
+        stats = _one_prompt(model, encode_prompt(tokenizer, task).to(input_device(model)), schemes, queries, step)
         for name, layers in stats.items():
             acc = sums.setdefault(name, [dict.fromkeys(s, 0.0) for s in layers])
             for a, s in zip(acc, layers):

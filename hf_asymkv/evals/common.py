@@ -1,4 +1,5 @@
-"""Helpers every model evaluation shares: scheme checks, length limits, progress bars, run metadata."""
+"""Helpers every model evaluation shares: scheme checks, length limits, progress bars and heartbeats, run
+metadata."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import torch
 
 from ..bench.schemes import make_cache, scheme_attention, scheme_names
 
-__all__ = ["check_length", "check_schemes", "max_positions", "progress", "run_meta", "schemes_for"]
+__all__ = ["HEARTBEAT_SECONDS", "Heartbeat", "check_length", "check_schemes", "max_positions", "progress", "run_meta",
+           "schemes_for"]
+
+HEARTBEAT_SECONDS = 60.0
+"""Seconds between two heartbeat lines of a long run (:class:`Heartbeat`)."""
 
 
 def check_schemes(schemes: list[str]) -> list[str]:
@@ -71,6 +76,36 @@ def progress(items: Iterable, total: int | None = None, desc: str = "", enabled:
         else:
             return iter(tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True))
     return iter(items)
+
+
+class Heartbeat:
+    """Called at every step of a long run (``tick("needle prompt 2/6, asymkv-lean (7/25)")``); prints one line
+    on stderr at most every ``every`` seconds, so that a run, ``--quiet`` or not, shows that it is alive and how
+    far it got, at a rate that stays readable in a log.
+
+    Args:
+        label: what runs, at the start of each line (``"eval frontier"``).
+        every: seconds between lines (the first comes ``every`` seconds after the start); 0 prints every step;
+            default :data:`HEARTBEAT_SECONDS`.
+    """
+
+    def __init__(self, label: str, every: float | None = None):
+        self.label, self.every = label, HEARTBEAT_SECONDS if every is None else every
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, where: str) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        minutes, seconds = divmod(int(now - self.start), 60)
+        line = f"{self.label}: {where} ({minutes}m{seconds:02d}s)"
+        try:  # between tqdm's bars when they are on screen
+            from tqdm.auto import tqdm
+        except ImportError:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            tqdm.write(line, file=sys.stderr)
 
 
 def run_meta(model, model_name: str, command: str | None, **settings) -> dict:

@@ -1,15 +1,18 @@
 """`hf-asymkv demo`: one long-document retrieval prompt, full precision and AsymKVCache side by side.
 
 Each cache answers the same prompt by greedy ``generate``. The table shows the real KV bytes in the model's own
-dtype next to the same caches on a bf16 model (the README's comparison), and the decode speed as the median
-time per generated token after warm-up steps, read from a streamer that stamps every token ``generate`` emits.
+dtype next to the same caches on a bf16 model (the README's comparison). Decode speed is shown only when asked
+for (``timing_runs``): one run's timing flips between runs on a busy machine (ours 4x faster in one, 1.5x slower
+in the next), so a figure needs repeated, interleaved runs: each run's median time per generated token after
+warm-up steps, read from a streamer that stamps every token ``generate`` emits, then the median over runs and
+their range.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -21,7 +24,7 @@ from ..core.compat import cache_kwargs
 from ..models import input_device
 from .tasks import make_needle_prompt, score_answer
 
-__all__ = ["WARMUP_STEPS", "DemoRow", "StepClock", "bf16_bytes", "format_demo", "run_demo"]
+__all__ = ["CACHES", "WARMUP_STEPS", "DemoRow", "StepClock", "bf16_bytes", "format_demo", "run_demo"]
 
 WARMUP_STEPS = 2
 """Decode steps after the prefill left out of the timing (allocator and kernel warm-up)."""
@@ -31,9 +34,10 @@ MIN_TIMED_STEPS = 3
 
 @dataclass
 class DemoRow:
-    """One cache's run: its answer, its KV bytes as held and on a bf16 model, and its decode speed.
+    """One cache's answer, its KV bytes as held and on a bf16 model, and (when timed) its decode speed.
 
-    ``decode_ms`` is the median milliseconds per decode step over ``timed_steps`` steps (None: too few steps).
+    ``run_ms``: per timed run, the median milliseconds per decode step over ``timed_steps`` steps (a run with too
+    few steps is left out); empty when not timed.
     """
 
     cache: str
@@ -41,8 +45,13 @@ class DemoRow:
     correct: bool
     kv_bytes: int
     kv_bytes_bf16: int
-    decode_ms: float | None
-    timed_steps: int
+    run_ms: list[float] = field(default_factory=list)
+    timed_steps: int = 0
+
+    @property
+    def decode_ms(self) -> float | None:
+        """Median over the timed runs (None: not timed)."""
+        return statistics.median(self.run_ms) if self.run_ms else None
 
 
 class StepClock(BaseStreamer):
@@ -82,14 +91,25 @@ def bf16_bytes(cache, held_bytes: int, itemsize: int) -> int:
     return footprint["total"] - exact + exact * 2 // itemsize
 
 
+CACHES = (("DynamicCache (full precision)", lambda config: DynamicCache(config=config)),
+          ("AsymKVCache (default: K int8/ch, V int4/tok rotated, 4 sinks)", AsymKVCache))
+"""(row name, factory) of the caches the demo compares."""
+
+
 @torch.no_grad()
 def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.35, seed: int = 7,
-             max_new_tokens: int = 24) -> tuple[list[DemoRow], dict]:
+             max_new_tokens: int = 24, timing_runs: int = 0) -> tuple[list[DemoRow], dict]:
     """Ask for a fact planted ``depth`` into a ``context_tokens`` document, once per cache.
+
+    Args:
+        timing_runs: 0 (default): no speed figure. N: each cache generates N times, the caches interleaved
+            (run 1 of each, then run 2 of each, ...), so that a slow spell of the machine falls on both; the
+            first run also gives the answer and bytes.
 
     Returns:
         ``(rows, info)``: one row per cache (answer, correctness, real KV bytes after generation and on a bf16
-        model, median decode ms/token) and the prompt facts (length, expected answer, model dtype).
+        model, per-run median decode ms/token when timed) and the prompt facts (length, expected answer, model
+        dtype, timing runs).
     """
     prompt = make_needle_prompt(tokenizer, context_tokens, depth, seed)
     enc = tokenizer.apply_chat_template(
@@ -98,43 +118,56 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
     n_prompt = enc["input_ids"].shape[1]
     itemsize = model.dtype.itemsize
     rows = []
-    for name, cache in (("DynamicCache (full precision)", DynamicCache(config=model.config)),
-                        ("AsymKVCache (default: K int8/ch, V int4/tok rotated, 4 sinks)", AsymKVCache(model.config))):
-        clock = StepClock()
-        out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
-                             streamer=clock)
-        answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
-        held = cache_nbytes(cache)
-        rows.append(DemoRow(name, answer, score_answer(answer, prompt.answer), held,
-                            bf16_bytes(cache, held, itemsize), *clock.decode_ms()))
+    for run in range(max(timing_runs, 1)):
+        for k, (name, make) in enumerate(CACHES):
+            cache, clock = make(model.config), StepClock()
+            out = model.generate(**enc, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
+                                 streamer=clock)
+            if run == 0:
+                answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
+                held = cache_nbytes(cache)
+                rows.append(DemoRow(name, answer, score_answer(answer, prompt.answer), held,
+                                    bf16_bytes(cache, held, itemsize)))
+            ms, steps = clock.decode_ms()
+            if timing_runs and ms is not None:
+                rows[k].run_ms.append(ms)
+                rows[k].timed_steps = steps
     info = {"prompt_tokens": n_prompt, "expected": prompt.answer, "depth": depth, "key": prompt.key,
-            "dtype": str(model.dtype).removeprefix("torch.")}
+            "dtype": str(model.dtype).removeprefix("torch."), "timing_runs": timing_runs}
     return rows, info
 
 
 def format_demo(rows: list[DemoRow], info: dict) -> str:
     """A plain-text table: KV MiB and "x smaller" against the first (full-precision) row, in the model's dtype
-    and (when that is not bf16) on a bf16 model, side by side; then decode ms/token and the answer."""
+    and (when that is not bf16) on a bf16 model, side by side; decode ms/token when timed; then the answer."""
     dtype = info.get("dtype", "?")
     both = dtype != "bfloat16"
+    timed = any(r.run_ms for r in rows)
     head = (f"Prompt: {info['prompt_tokens']} tokens; the access code for the {info['key']} "
             f"({info['expected']}) sits {info['depth']:.0%} into the document.\n")
     kv_head = f"{'KV MiB ' + dtype:>16} {'x smaller':>9}"
     if both:
         kv_head += f" {'KV MiB bf16':>12} {'x smaller':>9}"
+    if timed:
+        kv_head += f" {'decode ms/token (range)':>24}"
     width = max(len("cache"), *(len(r.cache) for r in rows))
-    lines = [f"{'cache':{width}} {kv_head} {'decode ms/token':>15}  {'ok':3} answer"]
+    lines = [f"{'cache':{width}} {kv_head}  {'ok':3} answer"]
     for r in rows:
         kv = f"{r.kv_bytes / 2**20:16.2f} {rows[0].kv_bytes / r.kv_bytes:9.2f}"
         if both:
             kv += f" {r.kv_bytes_bf16 / 2**20:12.2f} {rows[0].kv_bytes_bf16 / r.kv_bytes_bf16:9.2f}"
-        ms = f"{r.decode_ms:15.1f}" if r.decode_ms is not None else f"{'n/a':>15}"
-        lines.append(f"{r.cache:{width}} {kv} {ms}  {'yes' if r.correct else 'no':3} {' '.join(r.answer.split())}")
+        if timed:
+            spread = f"{r.decode_ms:.1f} ({min(r.run_ms):.1f}-{max(r.run_ms):.1f})" if r.run_ms else "n/a"
+            kv += f" {spread:>24}"
+        lines.append(f"{r.cache:{width}} {kv}  {'yes' if r.correct else 'no':3} {' '.join(r.answer.split())}")
     if both:
         lines.append(f"KV MiB {dtype}: what this run holds (model dtype {dtype}). KV MiB bf16: the same caches on a "
                      "bf16 model (exact tokens at 2 bytes, codes and scales unchanged), the README's comparison.")
-    steps = sorted({r.timed_steps for r in rows})
-    counted = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
-    lines.append(f"decode ms/token: median of {counted} decode steps after {WARMUP_STEPS} warm-up "
-                 "steps, one run (n/a: too few steps); `hf-asymkv bench` repeats and interleaves the schemes.")
+    if timed:
+        lines.append(f"decode ms/token: median over {info.get('timing_runs', len(rows[0].run_ms))} interleaved runs "
+                     f"of each run's median step after {WARMUP_STEPS} warm-up steps, with the range over runs (n/a: "
+                     "too few steps); `hf-asymkv bench` measures speed at several lengths.")
+    else:
+        lines.append("Decode speed is not shown: one run's timing is noise on a busy machine. --repeats 3 gives the "
+                     "median of 3 interleaved runs of each cache; `hf-asymkv bench` measures speed at several lengths.")
     return head + "\n".join(lines)

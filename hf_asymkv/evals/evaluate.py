@@ -4,7 +4,7 @@ The cache returns tokens exact when it quantizes them within the same call, so d
 that come *after* the quantization: measurements prefill a prompt minus its last tokens, then feed the tail
 (and decode) against the now-quantized history. Prefilling once with ``DynamicCache`` and handing each
 quantized cache the same prefix K/V in one ``update`` per layer is exactly what a real prefill leaves behind
-(checked in ``scripts/key_format.py --check_prefill``), and saves one long prefill per scheme.
+(checked in ``scripts/studies/key_format.py --check_prefill``), and saves one long prefill per scheme.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -42,15 +43,17 @@ import torch
 from ..bench.memory import cache_nbytes
 from ..bench.peers import PEERS
 from ..bench.schemes import PRESET_NAMES, SCHEMES, make_cache
+from ..core.shapes import layer_shapes
 from .attention import run_attention
+from .common import progress
 from .haystack import load_text
-from .long_decode import run_long_decode
-from .ppl import run_ppl
-from .report import flips
-from .retrieval import run_needle
+from .long_decode import check_long_decode_args, run_long_decode
+from .ppl import check_ppl_args, ppl_rows, score_window, text_windows
+from .report import flips, plural
+from .retrieval import answer_prompt, check_grid, needle_prompts
 
-__all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierRow", "OUR_SCHEMES", "PPL_TIE_SE", "frontier_markdown", "kind_of",
-           "pareto_check", "pareto_markdown", "plot_frontier", "run_frontier", "scheme_nbytes"]
+__all__ = ["BASELINES", "DEFAULT_SCHEMES", "FrontierProgress", "FrontierRow", "OUR_SCHEMES", "PPL_TIE_SE", "frontier_markdown", "kind_of",
+           "pareto_check", "pareto_markdown", "run_frontier", "scheme_nbytes"]
 
 OUR_SCHEMES = (*(f"asymkv-{name}" for name in PRESET_NAMES), "asymkv", "asymkv-sinks4", "asymkv-v2", "asymkv-v8")
 """Our presets (``hf_asymkv.PRESETS``), the default and single-field variations of it."""
@@ -105,17 +108,17 @@ def scheme_nbytes(name: str, config, tokens: int, seed: int = 0) -> int:
     peers count what their engine would store for the tokens each layer holds (:meth:`PeerCache.engine_nbytes`;
     sliding-window layers exact and bounded, as ours), everything else its tensors.
     """
-    text = config.get_text_config(decoder=True)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    shapes = layer_shapes(config)
     gen = torch.Generator().manual_seed(seed)
     cache = make_cache(name, config)
     # the prefill, then one decode step: transformers' sliding-window layers keep the whole prefill tensor's storage
     # behind their window view until the next update, which an engine would not count
     for n in (tokens, 1):
-        for i in range(text.num_hidden_layers):
-            k, v = (torch.randn(1, heads, n, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
-            cache.update(k, v, i)
+        for i, shape in enumerate(shapes):
+            if shape.holds_kv:
+                k, v = (torch.randn(1, shape.kv_heads, n, shape.head_dim, generator=gen).to(torch.bfloat16)
+                        for _ in range(2))
+                cache.update(k, v, i)
     return cache.engine_nbytes() if name in PEERS else cache_nbytes(cache)
 
 
@@ -123,11 +126,60 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+@dataclass
+class FrontierProgress:
+    """What a frontier run has measured so far, by phase; :meth:`rows` turns it into table rows at any point, so
+    that a run stopped midway leaves the rows of what it finished (unmeasured metrics are NaN).
+
+    ``steps``: per phase, ``[done, total]`` units: attention prompts, ppl windows, long-decode prompts, needle
+    prompts.
+    """
+
+    schemes: list[str]
+    nbytes: dict[str, int]
+    steps: dict[str, list[int]]
+    needle: list = field(default_factory=list)  # NeedleRow of the prompts answered
+    attention: dict = field(default_factory=dict)  # scheme -> AttentionRow
+    ppl: dict = field(default_factory=dict)  # scheme -> PplRow over the windows scored
+    decode: dict = field(default_factory=dict)  # scheme -> LongDecodeRow
+
+    @property
+    def complete(self) -> bool:
+        return all(done == total for done, total in self.steps.values())
+
+    def status(self) -> str:
+        """``"attention prompts 1 of 1, ppl windows 1 of 1, needle prompts 3 of 6"``."""
+        return ", ".join(f"{phase} {done} of {total}" for phase, (done, total) in self.steps.items() if total)
+
+    def rows(self) -> list[FrontierRow]:
+        flipped = flips([asdict(r) for r in self.needle]) if self.needle else {}
+        per_scheme = defaultdict(list)
+        for r in self.needle:
+            per_scheme[r.scheme].append(r)
+        out = []
+        for name in self.schemes:
+            mine, att, p, d = per_scheme[name], self.attention.get(name), self.ppl.get(name), self.decode.get(name)
+            out.append(FrontierRow(
+                name, kind_of(name), self.nbytes[name], self.nbytes["dynamic"] / self.nbytes[name],
+                _mean([float(r.correct) for r in mine]), *flipped.get(name, (0, 0)), _mean([r.tail_kl for r in mine]),
+                att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
+                ppl=p.ppl if p else float("nan"), delta_ppl_pct=p.delta_pct if p else float("nan"),
+                delta_ppl_se=p.delta_pct_se if p else 0.0, decode_kl=d.segments[-1] if d else float("nan"),
+                decode_agreement=d.agreement_mean if d else float("nan"), description=SCHEMES[name][0]))
+        return out
+
+
 def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depths: list[float], tasks: list[str],
                  samples: int = 1, attention_length: int = 0, bytes_length: int | None = None, seed: int = 0,
                  ppl_length: int = 0, ppl_windows: int = 1, text: str | None = None, decode_steps: int = 0,
-                 decode_prompt_length: int = 2048, show_progress: bool = True) -> list[FrontierRow]:
+                 decode_prompt_length: int = 2048, show_progress: bool = True,
+                 tick: Callable[[str], None] | None = None,
+                 on_step: Callable[[FrontierProgress], None] | None = None) -> list[FrontierRow]:
     """Bytes, needle accuracy and damage of every scheme (``schemes[0]`` must be ``dynamic``).
+
+    Measured in this order: bytes (seconds), attention KL (one prompt), Δppl (per window), long decode (one
+    prompt), needle prompts (the longest part, one prompt at a time); ``on_step`` receives the :class:`FrontierProgress` after each unit, so a
+    caller can save partial results as they come.
 
     Args:
         lengths, depths, tasks, samples: the needle grid (see :func:`.retrieval.run_needle`).
@@ -137,51 +189,65 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
             measured).
         text: the perplexity and long-decode text (default: the built-in corpus, :func:`.haystack.load_text`).
         decode_steps, decode_prompt_length: the long-decode measurement (one prompt; 0 steps: not measured).
+        tick: called after each (unit, scheme) with where the run is (:class:`.common.Heartbeat`).
 
     Every scheme must be able to build a cache for the model: filter with :func:`.common.schemes_for` first
     (transformers' ``QuantizedCache`` refuses sliding-window models), as the CLI does.
 
     Raises:
         ValueError: from the measurements (e.g. a length over the model's limit, a text shorter than
-            ``ppl_length`` tokens: checked first, before the needle run).
+            ``ppl_length`` tokens: checked first, before anything runs).
     """
-    ppl, decode = {}, {}
+    windows, prefix = [], 0
     text = load_text(None)[0] if text is None and (ppl_length or decode_steps) else text
-    if ppl_length:  # first: a text too short for the window fails before the long needle run
-        ppl = {r.scheme: r for r in run_ppl(model, tokenizer, schemes, text, ppl_length, ppl_windows,
-                                            show_progress=show_progress)}
+    if ppl_length:  # first: a text too short for the window fails before anything runs
+        prefix = check_ppl_args(model, ppl_length, ppl_windows, None, 64, schemes)
+        windows = text_windows(tokenizer, text, ppl_length, ppl_windows)
     if decode_steps:
-        decode = {r.scheme: r for r in run_long_decode(model, tokenizer, schemes, text, decode_prompt_length,
-                                                       decode_steps, seed=seed, show_progress=show_progress)}
-    rows = run_needle(model, tokenizer, schemes, lengths, depths, tasks, samples, seed=seed,
-                      show_progress=show_progress)
-    flipped = flips([asdict(r) for r in rows])
-    attention = {}
-    if attention_length:
-        attention = {r.scheme: r for r in run_attention(model, tokenizer, schemes, attention_length, samples=1,
-                                                        queries=16, seed=seed, show_progress=show_progress)}
+        check_long_decode_args(model, tokenizer, schemes, text, decode_prompt_length, decode_steps)
+    check_grid(model, lengths, depths, tasks, samples)
+    prompts = list(needle_prompts(tokenizer, lengths, depths, tasks, samples, "noise", None, seed))
     tokens = bytes_length or max(lengths)
-    nbytes = {name: scheme_nbytes(name, model.config, tokens, seed) for name in schemes}
-    per_scheme = defaultdict(list)
-    for r in rows:
-        per_scheme[r.scheme].append(r)
-    out = []
-    for name in schemes:
-        mine = per_scheme[name]
-        att, p, d = attention.get(name), ppl.get(name), decode.get(name)
-        out.append(FrontierRow(
-            name, kind_of(name), nbytes[name], nbytes["dynamic"] / nbytes[name],
-            _mean([float(r.correct) for r in mine]), *flipped[name], _mean([r.tail_kl for r in mine]),
-            att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
-            ppl=p.ppl if p else float("nan"), delta_ppl_pct=p.delta_pct if p else float("nan"),
-            delta_ppl_se=p.delta_pct_se if p else 0.0, decode_kl=d.segments[-1] if d else float("nan"),
-            decode_agreement=d.agreement_mean if d else float("nan"), description=SCHEMES[name][0]))
-    return out
+    state = FrontierProgress(schemes, {name: scheme_nbytes(name, model.config, tokens, seed) for name in schemes},
+                             {"attention prompts": [0, int(bool(attention_length))], "ppl windows": [0, len(windows)],
+                              "long-decode prompts": [0, int(bool(decode_steps))], "needle prompts": [0, len(prompts)]})
+    report = on_step or (lambda state: None)
+    report(state)
+    if attention_length:
+        state.attention = {r.scheme: r for r in run_attention(model, tokenizer, schemes, attention_length, samples=1,
+                                                               queries=16, seed=seed, show_progress=False, tick=tick)}
+        state.steps["attention prompts"][0] = 1
+        report(state)
+    scored = []
+    for w, ids in enumerate(progress(windows, total=len(windows), desc="ppl windows", enabled=show_progress), 1):
+        where = _prefixed(tick, f"ppl window {w}/{len(windows)}")
+        scored.append(score_window(model, ids, schemes, prefix, tick=where))
+        state.ppl = {r.scheme: r for r in ppl_rows(scored, schemes)}
+        state.steps["ppl windows"][0] = w
+        report(state)
+    if decode_steps:
+        state.decode = {r.scheme: r for r in run_long_decode(model, tokenizer, schemes, text, decode_prompt_length,
+                                                              decode_steps, seed=seed, show_progress=False,
+                                                              tick=tick)}
+        state.steps["long-decode prompts"][0] = 1
+        report(state)
+    for n, (sample, task) in enumerate(progress(prompts, total=len(prompts), desc="needle prompts",
+                                                enabled=show_progress), 1):
+        state.needle += answer_prompt(model, tokenizer, task, schemes, sample,
+                                      _prefixed(tick, f"needle prompt {n}/{len(prompts)}"))
+        state.steps["needle prompts"][0] = n
+        report(state)
+    return state.rows()
+
+
+def _prefixed(tick: Callable[[str], None] | None, where: str) -> Callable[[str], None] | None:
+    return (lambda detail: tick(f"{where}, {detail}")) if tick else None
 
 
 def _metrics(row: FrontierRow) -> dict[str, float]:
     """Damage metrics, lower is better, that were measured (NaN ones are left out)."""
-    values = {"needle lost": row.lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl,
+    lost = float("nan") if math.isnan(row.needle_accuracy) else row.lost  # NaN accuracy: no prompt answered yet
+    values = {"needle lost": lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl,
               "Δppl %": row.delta_ppl_pct, "decode KL": row.decode_kl}
     return {k: v for k, v in values.items() if not math.isnan(v)}
 
@@ -203,8 +269,9 @@ def pareto_check(rows: list[FrontierRow]) -> list[dict]:
     """Per peer: the ours that spend no more bytes and match it on every metric (``witness``), or why none does.
 
     Returns:
-        ``[{"peer", "x_smaller", "passed", "witness", "metrics": {metric: {"peer", "best_ours", "ok", "tie"}}}]``,
-        where ``best_ours`` is the best value among our settings with ``x_smaller >= the peer's``, ``ok`` whether
+        ``[{"peer", "x_smaller", "passed", "witness", "reached", "metrics": {metric: {"peer", "best_ours", "ok",
+        "tie"}}}]``, where ``reached`` says whether any setting of ours is at least as small as the peer,
+        ``best_ours`` is the best value among our settings with ``x_smaller >= the peer's``, ``ok`` whether
         one of them is no worse (:func:`_no_worse`) and ``tie`` whether that holds only within the Δppl noise.
     """
     ours = [r for r in rows if r.kind == "ours"]
@@ -213,14 +280,14 @@ def pareto_check(rows: list[FrontierRow]) -> list[dict]:
         cheaper = [o for o in ours if o.x_smaller >= peer.x_smaller * (1 - 1e-9)]
         pm = _metrics(peer)
         witness = next((o.scheme for o in sorted(cheaper, key=lambda o: o.tail_kl)
-                        if all(_no_worse(o, peer, m) for m in pm)), None)
+                        if all(_no_worse(o, peer, m) for m in pm)), None) if pm else None  # nothing measured yet
         metrics = {}
         for m, v in pm.items():
             best = min((_metrics(o).get(m, math.inf) for o in cheaper), default=float("nan"))
             ok = any(_no_worse(o, peer, m) for o in cheaper)
             metrics[m] = {"peer": v, "best_ours": best, "ok": ok, "tie": ok and not best <= v}
         out.append({"peer": peer.scheme, "x_smaller": peer.x_smaller, "passed": witness is not None,
-                    "witness": witness, "metrics": metrics})
+                    "witness": witness, "reached": bool(cheaper), "metrics": metrics})
     return out
 
 
@@ -244,11 +311,12 @@ def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, 
              "attention KL | top-8 overlap | decode KL, last 64 | greedy agreement | Δppl % (± s.e.) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.x_smaller):
-        lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {100 * r.needle_accuracy:.0f}% | "
-                     f"{r.lost} / {r.gained} | {_fmt(r.tail_kl)} | {_fmt(r.attention_kl)} | "
-                     f"{_fmt(r.attention_top8, 3)} | {_fmt(r.decode_kl)} | {_fmt(r.decode_agreement, 3)} | "
-                     f"{_ppl_cell(r)} |")
-    text = f"Frontier: bytes and damage per scheme ({prompts} needle prompts)\n\n" + "\n".join(lines)
+        asked = not math.isnan(r.needle_accuracy)
+        needle = f"{100 * r.needle_accuracy:.0f}% | {r.lost} / {r.gained}" if asked else "- | -"
+        lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {needle} | {_fmt(r.tail_kl)} | "
+                     f"{_fmt(r.attention_kl)} | {_fmt(r.attention_top8, 3)} | {_fmt(r.decode_kl)} | "
+                     f"{_fmt(r.decode_agreement, 3)} | {_ppl_cell(r)} |")
+    text = f"Frontier: bytes and damage per scheme ({plural(prompts, 'needle prompt')})\n\n" + "\n".join(lines)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())
     return text
@@ -261,70 +329,14 @@ def pareto_markdown(checks: list[dict]) -> str:
     for c in sorted(checks, key=lambda c: c["x_smaller"]):
         detail = "; ".join(f"{m}: {_fmt(d['peer'], 3)} vs {_fmt(d['best_ours'], 3)} {_verdict(d)}"
                            for m, d in c["metrics"].items())
+        # files written before "reached" existed: no setting of ours was that small when every best is NaN
+        if not c.get("reached", any(not math.isnan(d["best_ours"]) for d in c["metrics"].values())):
+            detail = "no setting of ours reaches this compression"
+        elif not c["metrics"]:  # partial results, before any measurement
+            detail = "nothing measured yet"
         lines.append(f"| {c['peer']} | {c['x_smaller']:.2f} | {'pass' if c['passed'] else 'FAIL'} | "
                      f"{c['witness'] or '-'} | {detail} |")
     passed = sum(c["passed"] for c in checks)
     return (f"Pareto check: {passed} of {len(checks)} peers matched by a setting of ours that spends no more bytes "
             f"and is at least as accurate on every metric (Δppl: within {PPL_TIE_SE:g} combined standard errors counts "
             "as a tie)\n\n" + "\n".join(lines))
-
-
-_PPL_LINEAR = 0.01
-"""Δppl % within which the frontier plot's Δppl axis is linear (symlog beyond)."""
-
-
-def _pareto_line(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points no other point beats on both axes (x: more compression is better, y: lower is better)."""
-    front = []
-    for x, y in sorted(points, key=lambda p: (-p[0], p[1])):
-        if not front or y < front[-1][1]:
-            front.append((x, y))
-    return sorted(front)
-
-
-def plot_frontier(rows: list[FrontierRow], title: str, path):
-    """Three panels against compression (x): needle prompts lost; damage (attention KL when measured, else tail
-    KL; log y); Δppl % (left out when no scheme measured it). Ours as a Pareto line with its points, peers as
-    labelled points.
-
-    The Δppl panel uses a symmetric-log y axis, linear within ±``_PPL_LINEAR`` % of zero: Δppl spans orders of
-    magnitude from 8-bit to 2-bit formats, and can be zero or slightly negative (noise that helps on that text),
-    which a log axis cannot show. Values inside the linear band are within measurement noise of
-    each other; the dotted line marks full precision (0).
-    """
-    from ..plots import require_matplotlib, save_figure
-
-    plt = require_matplotlib()
-    measured = not all(math.isnan(r.attention_kl) for r in rows)
-    damage = (lambda r: r.attention_kl) if measured else (lambda r: r.tail_kl)
-    panels = [("needle prompts lost vs full precision", lambda r: r.lost, "linear"),
-              (("attention KL" if measured else "tail next-token KL") + " vs full precision (nats)", damage, "log")]
-    if not all(math.isnan(r.delta_ppl_pct) for r in rows):
-        panels.append(("Δperplexity vs full precision (%)", lambda r: r.delta_ppl_pct, "symlog"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), squeeze=False)
-    styles = {"ours": ("tab:blue", "o"), "peer": ("tab:red", "s"), "baseline": ("tab:gray", "^")}
-    for ax, (label, metric, scale) in zip(axes[0], panels):
-        for kind, (color, marker) in styles.items():
-            pts = [(r.x_smaller, metric(r), r.scheme) for r in rows if r.kind == kind and not math.isnan(metric(r))]
-            if scale == "log":
-                pts = [(x, max(y, 1e-7), s) for x, y, s in pts]
-            if not pts:
-                continue
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], c=color, marker=marker, label=kind, zorder=3)
-            for x, y, s in pts:
-                ax.annotate(s, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=color)
-            if kind == "ours":
-                front = _pareto_line([(x, y) for x, y, _ in pts])
-                ax.step([p[0] for p in front], [p[1] for p in front], where="post", c=color, alpha=0.6,
-                        label="ours: Pareto line")
-        if scale == "symlog":
-            ax.set_yscale("symlog", linthresh=_PPL_LINEAR)
-            ax.axhline(0, color="black", linestyle=":", linewidth=0.8)
-        elif scale == "log":
-            ax.set_yscale("log")
-        ax.set_xlabel("x smaller than a bf16 DynamicCache (bytes as stored, higher is better)")
-        ax.set_ylabel(label + " (lower is better)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    return save_figure(fig, path)

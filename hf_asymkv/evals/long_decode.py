@@ -29,6 +29,7 @@ corpus (:mod:`.haystack`) is the same offline on every machine. The needle evalu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from .common import check_length, progress
 from .evaluate import cache_from_prefix, eos_ids
 from .ppl import text_windows
 
-__all__ = ["SEGMENT", "LongDecodeRow", "long_decode_markdown", "plot_long_decode", "run_long_decode",
+__all__ = ["SEGMENT", "LongDecodeRow", "check_long_decode_args", "long_decode_markdown", "plot_long_decode", "run_long_decode",
            "segment_means"]
 
 SEGMENT = 64
@@ -138,7 +139,8 @@ def _greedy_agreement(model, cache, tokens: list[int], banned: list[int]) -> int
     return len(tokens) - 1
 
 
-def _one_prompt(model, ids: torch.Tensor, schemes: list[str], steps: int, seed: int, show_progress: bool) -> dict:
+def _one_prompt(model, ids: torch.Tensor, schemes: list[str], steps: int, seed: int, show_progress: bool,
+                tick: Callable[[str], None] | None = None) -> dict:
     """``{scheme: (kl, same as full, entropy: per step; greedy agreement)}`` for one prompt ``[1, T]``."""
     banned = sorted(eos_ids(model))
     prefilled = make_cache("dynamic", model.config)
@@ -156,12 +158,32 @@ def _one_prompt(model, ids: torch.Tensor, schemes: list[str], steps: int, seed: 
             agreement = _greedy_agreement(model, cache_from_prefix(make_cache(name, model.config), prefilled),
                                           greedy, banned)
         out[name] = (*forced, agreement)
+        if tick:
+            tick(f"long decode, {name} ({len(out)}/{len(schemes)})")
     return out
+
+
+def check_long_decode_args(model, tokenizer, schemes: list[str], text: str, prompt_length: int, steps: int,
+                           prompts: int = 1, segment: int = SEGMENT) -> list[torch.Tensor]:
+    """The prompts (``[1, prompt_length]`` token windows) of :func:`run_long_decode`, after checking its arguments
+    (so that a caller can fail before other work runs).
+
+    Raises:
+        ValueError: see :func:`run_long_decode`.
+    """
+    for name, value in (("--prompt-length", prompt_length), ("--steps", steps), ("--prompts", prompts),
+                        ("--segment", segment)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_length(model, prompt_length + steps, "--prompt-length + --steps")
+    if schemes[0] != "dynamic":
+        raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
+    return text_windows(tokenizer, text, prompt_length, prompts)
 
 
 def run_long_decode(model, tokenizer, schemes: list[str], text: str, prompt_length: int = 2048, steps: int = 512,
                     prompts: int = 1, segment: int = SEGMENT, seed: int = 0,
-                    show_progress: bool = True) -> list[LongDecodeRow]:
+                    show_progress: bool = True, tick: Callable[[str], None] | None = None) -> list[LongDecodeRow]:
     """Per-segment KL and greedy agreement of every scheme along full precision's own continuations.
 
     Args:
@@ -172,22 +194,17 @@ def run_long_decode(model, tokenizer, schemes: list[str], text: str, prompt_leng
         prompts: number of prompts; KL is averaged over them, agreement kept per prompt.
         segment: steps per KL segment.
         seed: sampling seed of the first prompt's continuation (prompt ``i`` uses ``seed + i``).
+        tick: called after each (prompt, scheme) with where the run is (:class:`.common.Heartbeat`).
 
     Raises:
         ValueError: ``prompt_length + steps`` over the model's position limit, a non-positive count, too short a
             text, or a first scheme that is not ``dynamic``.
     """
-    for name, value in (("--prompt-length", prompt_length), ("--steps", steps), ("--prompts", prompts),
-                        ("--segment", segment)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    check_length(model, prompt_length + steps, "--prompt-length + --steps")
-    if schemes[0] != "dynamic":
-        raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
+    windows = check_long_decode_args(model, tokenizer, schemes, text, prompt_length, steps, prompts, segment)
     per_prompt = []
-    windows = text_windows(tokenizer, text, prompt_length, prompts)
     for i, ids in enumerate(progress(windows, total=prompts, desc="long-decode prompts", enabled=show_progress)):
-        per_prompt.append(_one_prompt(model, ids.to(input_device(model)), schemes, steps, seed + i, show_progress))
+        per_prompt.append(_one_prompt(model, ids.to(input_device(model)), schemes, steps, seed + i, show_progress,
+                                      tick))
     rows = []
     for name in schemes:
         kl, same, entropy, agreement = ([p[name][part] for p in per_prompt] for part in range(4))

@@ -12,6 +12,7 @@ The default text is the built-in corpus of :mod:`.haystack` (Python's documentat
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from ..models import input_device
 from .common import check_length, progress
 from .evaluate import cache_from_prefix
 
-__all__ = ["PplRow", "run_ppl", "text_windows"]
+__all__ = ["PplRow", "check_ppl_args", "ppl_rows", "run_ppl", "score_window", "text_windows"]
 
 
 @dataclass
@@ -76,22 +77,12 @@ def _score(model, cache, ids: torch.Tensor, start: int, chunk: int) -> tuple[tor
     return torch.cat(nll), torch.cat(top)
 
 
-def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, windows: int = 2, prefix: int | None = None,
-            chunk: int = 64, show_progress: bool = True) -> list[PplRow]:
-    """Perplexity per scheme over ``windows`` windows of ``length`` tokens (``schemes[0]`` = ``dynamic``).
-
-    Args:
-        prefix: tokens prefilled in full precision and handed over (default ``length // 2``); the
-            ``length - prefix - 1`` tokens after it are scored.
-        chunk: tokens per scoring call.
-
-    ``delta_pct_se`` is the standard error of ``delta_pct`` from the scored tokens' paired NLL differences
-    against full precision (``100 * exp(mean) * std / sqrt(n)``): how far the figure would move on other text of
-    the same kind. Neighbouring tokens are correlated, so it is a lower bound; a Δppl within a few of it of
-    another is a tie, not a ranking.
+def check_ppl_args(model, length: int, windows: int, prefix: int | None, chunk: int, schemes: list[str]) -> int:
+    """Check :func:`run_ppl`'s arguments; return the prefix (default ``length // 2``).
 
     Raises:
-        ValueError: a length over the model's limit, too short a text, bad prefix/chunk/windows.
+        ValueError: a length over the model's limit, bad prefix/chunk/windows, a first scheme other than
+            ``dynamic``.
     """
     check_length(model, length, "--length")
     prefix = length // 2 if prefix is None else prefix
@@ -101,32 +92,72 @@ def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, window
         raise ValueError(f"--chunk and --windows must be >= 1, got {chunk} and {windows}")
     if schemes[0] != "dynamic":
         raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
-    nll: dict[str, list[torch.Tensor]] = {s: [] for s in schemes}
-    agree: dict[str, list[torch.Tensor]] = {s: [] for s in schemes}
-    for ids in progress(text_windows(tokenizer, text, length, windows), total=windows, desc="ppl windows",
-                        enabled=show_progress):
-        ids = ids.to(input_device(model))
-        prefilled = make_cache("dynamic", model.config)
-        with torch.no_grad():
-            model(input_ids=ids[:, :prefix], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
-        ref_top = None
-        for name in schemes:
-            with scheme_attention(model, name):
-                cache = cache_from_prefix(make_cache(name, model.config), prefilled)
-                losses, top = _score(model, cache, ids, prefix, chunk)
-            ref_top = top if ref_top is None else ref_top
-            nll[name].append(losses)
-            agree[name].append((top == ref_top).float())
+    return prefix
+
+
+def score_window(model, ids: torch.Tensor, schemes: list[str], prefix: int, chunk: int = 64,
+                 tick: Callable[[str], None] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """One window (``[1, length]`` ids) through every scheme: ``{scheme: (nll [scored], agrees with the
+    reference's argmax [scored])}``, the reference (``schemes[0]``) first. ``tick`` is called after each scheme."""
+    ids = ids.to(input_device(model))
+    prefilled = make_cache("dynamic", model.config)
+    with torch.no_grad():
+        model(input_ids=ids[:, :prefix], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
+    out, ref_top = {}, None
+    for n, name in enumerate(schemes, 1):
+        with scheme_attention(model, name):
+            cache = cache_from_prefix(make_cache(name, model.config), prefilled)
+            losses, top = _score(model, cache, ids, prefix, chunk)
+        ref_top = top if ref_top is None else ref_top
+        out[name] = (losses, (top == ref_top).float())
+        if tick:
+            tick(f"{name} ({n}/{len(schemes)})")
+    return out
+
+
+def ppl_rows(windows: list[dict[str, tuple[torch.Tensor, torch.Tensor]]], schemes: list[str]) -> list[PplRow]:
+    """Per-scheme rows over the scored windows (:func:`score_window` results); ``schemes[0]`` is the reference.
+
+    ``delta_pct_se`` is the standard error of ``delta_pct`` from the scored tokens' paired NLL differences
+    against full precision (``100 * exp(mean) * std / sqrt(n)``): how far the figure would move on other text of
+    the same kind. Neighbouring tokens are correlated, so it is a lower bound; a Δppl within a few of it of
+    another is a tie, not a ranking.
+    """
     rows = []
-    ref = torch.cat(nll[schemes[0]]).double()
+    ref = torch.cat([w[schemes[0]][0] for w in windows]).double()
     base = math.exp(float(ref.mean()))
     for name in schemes:
-        mine = torch.cat(nll[name]).double()
+        mine = torch.cat([w[name][0] for w in windows]).double()
         mean_nll = float(mine.mean())
         ppl = math.exp(mean_nll)
         diff = mine - ref
         se = float(diff.std() / math.sqrt(diff.numel())) if diff.numel() > 1 else 0.0
         rows.append(PplRow(name, mean_nll, ppl, ppl - base, 100 * (ppl - base) / base,
-                           float(torch.cat(agree[name]).mean()), int(mine.numel()),
+                           float(torch.cat([w[name][1] for w in windows]).mean()), int(mine.numel()),
                            100 * (ppl / base) * se))
     return rows
+
+
+def run_ppl(model, tokenizer, schemes: list[str], text: str, length: int, windows: int = 2, prefix: int | None = None,
+            chunk: int = 64, show_progress: bool = True, tick: Callable[[str], None] | None = None) -> list[PplRow]:
+    """Perplexity per scheme over ``windows`` windows of ``length`` tokens (``schemes[0]`` = ``dynamic``).
+
+    Args:
+        prefix: tokens prefilled in full precision and handed over (default ``length // 2``); the
+            ``length - prefix - 1`` tokens after it are scored.
+        chunk: tokens per scoring call.
+        tick: called after each (window, scheme) with where the run is (:class:`.common.Heartbeat`).
+
+    Returns:
+        one :class:`PplRow` per scheme (:func:`ppl_rows`).
+
+    Raises:
+        ValueError: a length over the model's limit, too short a text, bad prefix/chunk/windows.
+    """
+    prefix = check_ppl_args(model, length, windows, prefix, chunk, schemes)
+    scored = []
+    cut = text_windows(tokenizer, text, length, windows)
+    for w, ids in enumerate(progress(cut, total=windows, desc="ppl windows", enabled=show_progress), 1):
+        step = (lambda where, w=w: tick(f"ppl window {w}/{windows}, {where}")) if tick else None
+        scored.append(score_window(model, ids, schemes, prefix, chunk, step))
+    return ppl_rows(scored, schemes)

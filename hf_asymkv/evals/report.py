@@ -12,11 +12,17 @@ __all__ = [
     "attention_markdown",
     "flips",
     "needle_markdown",
+    "plural",
     "ppl_markdown",
     "read_results",
     "summary_markdown",
     "write_json",
 ]
+
+
+def plural(n: int, noun: str) -> str:
+    """``"1 needle prompt"``, ``"6 needle prompts"``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _pct(x: float) -> str:
@@ -139,5 +145,5 @@ def read_results(folder: str | Path) -> tuple[dict | None, dict | None, dict | N
         path = folder / name
         found.append(json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None)
     if not any(found):
-        raise ValueError(f"{str(folder)!r} holds no needle.json, attention.json or ppl.json")
+        raise ValueError(f"{str(folder)!r} holds no needle.json, attention.json, ppl.json or frontier.json")
     return found[0], found[1], found[2]

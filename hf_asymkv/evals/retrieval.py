@@ -9,6 +9,7 @@ while the costly prefill is paid once per prompt instead of once per scheme.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
 from .haystack import split_sentences
 from .needle import TASKS, make_task, score_task
 
-__all__ = ["TAIL", "NeedleRow", "accuracy_table", "heatmap_grid", "needle_prompts", "run_needle"]
+__all__ = ["TAIL", "NeedleRow", "accuracy_table", "answer_prompt", "check_grid", "heatmap_grid", "needle_prompts",
+           "run_needle"]
 
 TAIL = 16  # prompt tokens fed through each scheme's cache (they attend to the quantized prefix)
 
@@ -56,7 +58,7 @@ def needle_prompts(tokenizer, lengths: list[int], depths: list[float], tasks: li
                     yield sample, make_task(tokenizer, task, length, depth, seed + sample, haystack, sentences)
 
 
-def _check_grid(model, lengths: list[int], depths: list[float], tasks: list[str], samples: int) -> None:
+def check_grid(model, lengths: list[int], depths: list[float], tasks: list[str], samples: int) -> None:
     for length in lengths:
         check_length(model, length)
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
@@ -70,8 +72,10 @@ def _check_grid(model, lengths: list[int], depths: list[float], tasks: list[str]
 
 
 @torch.no_grad()
-def _answer_all(model, tokenizer, task, schemes: list[str], sample: int) -> list[NeedleRow]:
-    """One prompt through every scheme (``schemes[0]`` must be ``dynamic``: the reference)."""
+def answer_prompt(model, tokenizer, task, schemes: list[str], sample: int,
+                  tick: Callable[[str], None] | None = None) -> list[NeedleRow]:
+    """One prompt of :func:`needle_prompts` through every scheme (``schemes[0]`` must be ``dynamic``: the
+    reference); ``tick`` is called after each scheme."""
     ids = encode_prompt(tokenizer, task).to(input_device(model))
     prefilled = make_cache("dynamic", model.config)
     model(input_ids=ids[:, :-TAIL], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
@@ -88,12 +92,14 @@ def _answer_all(model, tokenizer, task, schemes: list[str], sample: int) -> list
         correct, recall = score_task(answer, task)
         rows.append(NeedleRow(name, task.task, task.haystack, task.length, task.depth, sample, ids.shape[1],
                               list(task.answers), answer, correct, recall, tokens == ref[1], sum(kl) / len(kl)))
+        if tick:
+            tick(f"{name} ({len(rows)}/{len(schemes)})")
     return rows
 
 
 def run_needle(model, tokenizer, schemes: list[str], lengths: list[int], depths: list[float], tasks: list[str],
                samples: int = 1, haystack: str = "noise", text: str | None = None, seed: int = 0,
-               show_progress: bool = True) -> list[NeedleRow]:
+               show_progress: bool = True, tick: Callable[[str], None] | None = None) -> list[NeedleRow]:
     """Answer every prompt of the grid through every scheme.
 
     Args:
@@ -102,18 +108,20 @@ def run_needle(model, tokenizer, schemes: list[str], lengths: list[int], depths:
         depths: needle depths in [0, 1]. tasks: names from :data:`.needle.TASKS`.
         samples: prompts per (length, depth, task) cell, seeds ``seed .. seed + samples - 1``.
         haystack, text: the haystack kind and, for ``text``, the natural text.
+        tick: called after each (prompt, scheme) with where the run is (:class:`.common.Heartbeat`).
 
     Raises:
         ValueError: a length over the model's limit, a depth outside [0, 1], unknown task, samples < 1.
     """
-    _check_grid(model, lengths, depths, tasks, samples)
+    check_grid(model, lengths, depths, tasks, samples)
     if schemes[0] != "dynamic":
         raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
     total = len(lengths) * len(depths) * len(tasks) * samples
     rows: list[NeedleRow] = []
     prompts = needle_prompts(tokenizer, lengths, depths, tasks, samples, haystack, text, seed)
-    for sample, task in progress(prompts, total=total, desc="needle prompts", enabled=show_progress):
-        rows += _answer_all(model, tokenizer, task, schemes, sample)
+    for n, (sample, task) in enumerate(progress(prompts, total=total, desc="needle prompts", enabled=show_progress), 1):
+        step = (lambda where, n=n: tick(f"needle prompt {n}/{total}, {where}")) if tick else None
+        rows += answer_prompt(model, tokenizer, task, schemes, sample, step)
     return rows
 
 

@@ -7,6 +7,7 @@ the attention output and the largest logit error against the exact head, over se
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -57,9 +58,9 @@ def _roundtrip(x: torch.Tensor, spec: QuantSpec | None, block: int) -> torch.Ten
     """``[T, D]`` through quantize/dequantize with ``spec`` (None: exact)."""
     if spec is None:
         return x
-    x4 = x[None, None]
-    scale, zero = compute_scale_zero(x4, spec, block)
-    return dequantize(quantize(x4, scale, zero, spec, block), scale, zero, spec, block)[0, 0]
+    x4, spec = x[None, None], dataclasses.replace(spec, block_size=block)
+    scale, zero = compute_scale_zero(x4, spec)
+    return dequantize(quantize(x4, scale, zero, spec), scale, zero, spec)[0, 0]
 
 
 def _head(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

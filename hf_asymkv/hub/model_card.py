@@ -48,20 +48,6 @@ def render_template(template: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], "".join(lines))
 
 
-def _yaml_block(fields: dict) -> str:
-    """YAML front matter; strings are JSON-quoted (valid YAML double-quoted scalars)."""
-    lines = []
-    for key, value in fields.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            lines.append(f"{key}:")
-            lines += [f"- {json.dumps(v)}" for v in value]
-        else:
-            lines.append(f"{key}: {json.dumps(value)}")
-    return "\n".join(lines)
-
-
 def _cell(value) -> str:
     if isinstance(value, float):
         text = repr(value)  # the number as measured: no rounding
@@ -234,7 +220,9 @@ def render_card(scales: KVScales, cache_config: AsymKVConfig, *, base_model: str
     fingerprint = scales.fingerprint
     model_type = fingerprint.get("model_type")
     tags = ["kv-cache", "quantization", "hf-asymkv"] + ([model_type] if model_type else [])
-    front = _yaml_block({"base_model": base_model, "library_name": "hf-asymkv", "license": license, "tags": tags})
+    from huggingface_hub import ModelCardData  # the Hub's own card metadata: valid YAML, None fields left out
+
+    front = ModelCardData(base_model=base_model, library_name="hf-asymkv", license=license, tags=tags).to_yaml()
     if evaluation:
         parts = [f"Measured results from the attached files (copies in `{EVAL_DIR}/`): Markdown is quoted verbatim, "
                  "JSON rows are shown as a table with their values unchanged."]

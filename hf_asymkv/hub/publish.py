@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..core.config import AsymKVConfig
 from ..core.fileio import check_out_dir, write_folder_atomically
+from ..core.presets import preset_config
 from ..core.pretrained import CARD_FILE, CONFIG_FILE, CONFIG_FORMAT, CONFIG_FORMAT_VERSION, SCALES_FILE, load_published
 from ..core.scales import KVScales
 from ..models import DEFAULT_MODEL, load_config
@@ -96,8 +97,8 @@ def _front_matter(text: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ publish
 def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results: str | Path | None = None,
-            settings: dict | None = None, overwrite: bool = False, base_model: str | None = None,
-            license: str | None = None, repo_id: str | None = None) -> Path:
+            settings: dict | None = None, preset: str | None = None, overwrite: bool = False,
+            base_model: str | None = None, license: str | None = None, repo_id: str | None = None) -> Path:
     """Write a publish folder: the scales, the recommended cache settings and a model card.
 
     Args:
@@ -107,7 +108,8 @@ def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results
         out_dir: the folder to create; a non-empty existing folder is refused unless ``overwrite`` (and then
             only one this tool wrote).
         eval_results: a folder of ``.md`` / ``.json`` result files (or one such file), quoted verbatim.
-        settings: ``AsymKVConfig`` settings that override :data:`DEFAULT_CONFIG`.
+        settings: ``AsymKVConfig`` settings that override ``preset`` (or :data:`DEFAULT_CONFIG`).
+        preset: a name of ``hf_asymkv.PRESETS`` to start from instead of :data:`DEFAULT_CONFIG`.
         base_model: the base model's Hub id for the card (default: inferred when ``model`` is one).
         license: the base model's license for the card front matter (default: inferred when known).
         repo_id: the Hub repo the folder will be pushed to (used in the card's usage snippet).
@@ -116,7 +118,8 @@ def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results
         ``out_dir`` as a Path.
 
     Raises:
-        ValueError: scales for another model, unknown or invalid settings, bad eval results, non-empty output.
+        ValueError: scales for another model, unknown or invalid settings, an unknown preset, bad eval results,
+            non-empty output.
     """
     from ..core.cache import AsymKVCache
     from ..version import __version__
@@ -126,7 +129,8 @@ def publish(model: str, scales: str | Path, out_dir: str | Path, *, eval_results
     scales_path = Path(scales).expanduser()
     config = load_config(model)
     loaded = KVScales.load(scales_path, config)
-    cache_config = AsymKVConfig.from_dict({**DEFAULT_CONFIG.settings(), **(settings or {})}, "settings")
+    base = DEFAULT_CONFIG if preset is None else preset_config(preset)
+    cache_config = AsymKVConfig.from_dict({**base.to_dict(), **(settings or {})}, "settings")
     try:
         AsymKVCache(config, cache_config, scales=loaded)  # the settings must build a cache for this model
     except ValueError as exc:

@@ -5,7 +5,8 @@ Layout of ``SERVE_DIR`` (every weight file of the source keeps its bytes; single
 under a shard name so that the added scales can sit in their own file)::
 
     model-0000i-of-0000N.safetensors   hard links (or copies) of the source weights
-    model-kv-scales.safetensors        model.layers.{i}.self_attn.k_scale / v_scale (float32)
+    model-kv-scales.safetensors        <attention module of layer i>.k_scale / v_scale (float32), e.g.
+                                       model.layers.{i}.self_attn.k_scale (:mod:`.attention_names`)
     model.safetensors.index.json       weight_map over both, metadata.total_size
     config.json                        the source config + quantization_config.kv_cache_scheme
     kv_cache_scales.json               SGLang / legacy vLLM --quantization-param-path file
@@ -16,16 +17,18 @@ under a shard name so that the added scales can sit in their own file)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from ..core.cache import kv_layer_indices
-from ..core.fileio import write_folder_atomically
+from ..core.fileio import usual_mode, write_folder_atomically
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
+from ..core.shapes import kv_layer_indices
+from .attention_names import attention_prefixes
 from .sglang import SGLANG_FILE, sglang_scales
 from .vllm import STRATEGIES, kv_cache_scheme, kv_scale_tensors
 
@@ -39,20 +42,14 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
-def _header(path: Path) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes, offsets), without reading the tensors."""
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    """``{tensor name: bytes}`` of a safetensors file, from its header (``get_slice``: no tensor is read)."""
     try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError) as exc:
+        with safe_open(str(path), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: math.prod(s.get_shape()) * _DTYPE_BYTES[s.get_dtype()] for name, s in slices.items()}
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{path}: not a readable safetensors file (truncated or foreign?): {exc}") from None
-    header.pop("__metadata__", None)
-    return header
-
-
-def _tensor_bytes(header: dict) -> int:
-    return sum(end - begin for begin, end in (entry["data_offsets"] for entry in header.values()))
 
 
 def _weight_files(model_dir: Path) -> dict[str, list[str]]:
@@ -72,7 +69,7 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
         return shards
     single = model_dir / "model.safetensors"
     if single.is_file():
-        return {single.name: list(_header(single))}
+        return {single.name: list(_tensor_bytes(single))}
     raise ValueError(f"{model_dir}: no model.safetensors or {INDEX}; export-vllm --model needs a safetensors "
                      "checkpoint (convert .bin weights with save_pretrained(..., safe_serialization=True))")
 
@@ -133,11 +130,14 @@ def validate_quantization_config(qc: dict) -> None:
 
 
 def _link_or_copy(src: Path, dst: Path) -> str:
+    """Hard-link ``src`` as ``dst`` (no bytes copied; a link shares the source's mode), or copy it across file
+    systems (with the usual mode of a new file)."""
     try:
         os.link(src, dst)
         return "linked"
     except OSError:  # another file system, or links not allowed
-        shutil.copy2(src, dst)
+        shutil.copyfile(src, dst)
+        os.chmod(dst, usual_mode())
         return "copied"
 
 
@@ -158,10 +158,10 @@ def _write_weights(tmp: Path, model_dir: Path, shards: dict[str, list[str]], ten
             name = renamed.get(src.name, src.name)
             how[name] = _link_or_copy(src, tmp / name)
     save_file(tensors, str(tmp / SCALES_SHARD), metadata={"format": "pt", "producer": "hf_asymkv"})
-    os.chmod(tmp / SCALES_SHARD, 0o644)  # readable like the linked weights (the writer may create it 0600)
+    os.chmod(tmp / SCALES_SHARD, usual_mode())  # the writer may create it 0600
     weight_map = {n: renamed[s] for s, names in shards.items() for n in names}
     weight_map.update({n: SCALES_SHARD for n in tensors})
-    total = sum(_tensor_bytes(_header(tmp / name)) for name in [*(renamed[s] for s in shards), SCALES_SHARD])
+    total = sum(sum(_tensor_bytes(tmp / name).values()) for name in [*(renamed[s] for s in shards), SCALES_SHARD])
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return how
@@ -210,7 +210,9 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
     qc = merged_quantization_config(config_dict.get("quantization_config"), strategy)
     validate_quantization_config(qc)
     heads = config_fingerprint(config)["num_key_value_heads"]
-    tensors = kv_scale_tensors(scales, strategy)
+    prefixes = attention_prefixes(config, (n for names in shards.values() for n in names),
+                                  sorted(scales.k_channel_absmax), where=str(model_dir))
+    tensors = kv_scale_tensors(scales, strategy, prefixes)
     sglang = sglang_scales(scales, config_dict.get("model_type"), config.get_text_config(decoder=True).num_hidden_layers,
                            tp_size)
 
@@ -219,7 +221,7 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
         (tmp / "config.json").write_text(json.dumps({**config_dict, "quantization_config": qc}, indent=2) + "\n",
                                          encoding="utf-8")
         (tmp / SGLANG_FILE).write_text(json.dumps(sglang, indent=2) + "\n", encoding="utf-8")
-        (tmp / "README.md").write_text(_readme(model_dir, scales, strategy, heads), encoding="utf-8")
+        (tmp / "README.md").write_text(_readme(model_dir, scales, strategy, heads, prefixes), encoding="utf-8")
         (tmp / EXPORT_MARKER).write_text(json.dumps({
             "producer": "hf_asymkv", "version": __version__, "source_model": str(model_dir.resolve()),
             "scales": scales_source, "scales_model_id": scales.metadata.get("model_id", ""), "strategy": strategy,
@@ -228,9 +230,9 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
     return write_folder_atomically(out_dir, build, overwrite=overwrite, marker=EXPORT_MARKER)
 
 
-def _readme(model_dir: Path, scales: KVScales, strategy: str, heads: int) -> str:
+def _readme(model_dir: Path, scales: KVScales, strategy: str, heads: int, prefixes: dict[int, str]) -> str:
     layers = sorted(scales.k_channel_absmax)
-    rows = "\n".join(f"| {i} | {scales.k_scale(i):.6g} | {scales.v_scale(i):.6g} |" for i in layers)
+    rows = "\n".join(f"| {i} | `{prefixes[i]}` | {scales.k_scale(i):.6g} | {scales.v_scale(i):.6g} |" for i in layers)
     per = ("one scale per layer for K and one for V (shape `[1]`)" if strategy == "tensor" else
            f"one scale per KV head for K and for V (shape `[{heads}, 1, 1]`; vLLM reads it as `[{heads}]`)")
     return f"""# {model_dir.name} with FP8 KV-cache scales
@@ -238,7 +240,8 @@ def _readme(model_dir: Path, scales: KVScales, strategy: str, heads: int) -> str
 Written by `hf-asymkv export-vllm` from `{model_dir}` and scales calibrated by hf-asymkv
 (`{scales.metadata.get('model_id') or 'unknown model'}`, statistic `{scales.metadata.get('statistic', 'absmax')}`).
 The weights are the source checkpoint's files, unchanged. Added: `{SCALES_SHARD}` with
-`model.layers.{{i}}.self_attn.k_scale` / `v_scale`, {per}, each the FP8-E4M3 dequant multiplier
+`k_scale` / `v_scale` under each layer's attention module (named as in the weights, listed below), {per},
+each the FP8-E4M3 dequant multiplier
 `range / {FP8_E4M3_MAX:g}`; `quantization_config.kv_cache_scheme` (compressed-tensors, strategy `{strategy}`) in
 `config.json`; `{SGLANG_FILE}` (one scale per layer for both K and V).
 
@@ -260,7 +263,7 @@ for the engines.
 hf-asymkv keeps keys 8-bit with a scale per channel and values 4-bit per token; an engine's FP8 cache keeps
 {per}. Only the ranges carry over, as the maximum over the channels (and heads) each engine scale covers.
 
-| layer | K range / 448 (max) | V range / 448 (max) |
-|---|---|---|
+| layer | attention module | K range / 448 (max) | V range / 448 (max) |
+|---|---|---|---|
 {rows}
 """

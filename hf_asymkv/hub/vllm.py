@@ -10,6 +10,7 @@ import each scale's range fills every channel it covers (per-channel key precisi
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..core.cache import kv_layer_indices
 from ..core.scales import FP8_E4M3_MAX, KVScales, config_fingerprint
+from ..core.shapes import kv_layer_indices, layer_shapes
 
 __all__ = ["KV_CACHE_SCHEME", "STRATEGIES", "VLLM_SCALES_FILE", "export_vllm", "kv_cache_scheme", "kv_scale_tensors",
            "read_vllm_scales", "vllm_scale_names"]
@@ -39,13 +40,15 @@ def kv_cache_scheme(strategy: str = "tensor") -> dict:
 KV_CACHE_SCHEME = {"kv_cache_scheme": kv_cache_scheme("tensor")}
 """compressed-tensors snippet to merge into ``config.json``'s ``quantization_config``."""
 
-# Names vLLM's loader accepts for per-tensor KV scales (it remaps them to `...self_attn.attn.k_scale`):
+# Names vLLM's loader accepts for per-tensor KV scales (it remaps them to `<attention module>.attn.k_scale`), for a
+# Llama checkpoint whose attention modules are `model.layers.{i}.self_attn`:
 #   model.layers.{i}.self_attn.k_scale            (llm-compressor, current)
 #   model.layers.{i}.self_attn.attn.k_scale       (vLLM's own parameter name)
 #   model.layers.{i}.self_attn.k_proj.k_scale     (ModelOpt)
 #   model.layers.{i}.self_attn.k_proj.output_scale (older compressed-tensors)
-# Multimodal checkpoints nest the decoder (`model.language_model.layers`, `language_model.model.layers`).
-_PREFIX = r"(?P<prefix>model\.language_model\.|language_model\.model\.|model\.)?layers\.(?P<layer>\d+)\.self_attn\."
+# Other checkpoints name the attention module their own way (`gpt_neox.layers.{i}.attention`,
+# `model.language_model.layers.{i}.self_attn`, ...): any `<...>.{i}.<module>.` prefix is read.
+_PREFIX = r"(?P<prefix>(?:\w+\.)*?)(?P<layer>\d+)\.(?P<module>\w+)\."
 _NAME_PATTERNS = (
     re.compile(_PREFIX + r"(?:attn\.)?(?P<kind>[kv])_scale$"),
     re.compile(_PREFIX + r"(?P<kind>[kv])_proj\.(?P=kind)_scale$"),
@@ -53,15 +56,20 @@ _NAME_PATTERNS = (
 )
 
 
-def vllm_scale_names(layer: int) -> tuple[str, str]:
-    """vLLM's per-tensor K and V scale names for ``layer``."""
-    return f"model.layers.{layer}.self_attn.k_scale", f"model.layers.{layer}.self_attn.v_scale"
+def vllm_scale_names(layer: int, prefix: str | None = None) -> tuple[str, str]:
+    """The K and V scale names of ``layer``: ``<prefix>.k_scale`` / ``.v_scale``, where ``prefix`` is the layer's
+    attention module as the checkpoint names it (:func:`.attention_names.attention_prefixes`); without one,
+    Llama's ``model.layers.{layer}.self_attn``."""
+    prefix = prefix or f"model.layers.{layer}.self_attn"
+    return f"{prefix}.k_scale", f"{prefix}.v_scale"
 
 
-def kv_scale_tensors(scales: KVScales, strategy: str = "tensor") -> dict[str, torch.Tensor]:
+def kv_scale_tensors(scales: KVScales, strategy: str = "tensor", prefixes: dict[int, str] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """Per-layer ``k_scale`` / ``v_scale`` checkpoint tensors (float32, FP8-E4M3 dequant multipliers ``range / 448``).
 
     Args:
+        prefixes: ``{layer: attention module name}`` of the checkpoint (:func:`vllm_scale_names`); None: Llama's.
         strategy: ``"tensor"``: shape ``[1]``, the layer's largest range (what llm-compressor writes and
             compressed-tensors allocates). ``"attn_head"``: shape ``[kv_heads, 1, 1]``, each KV head's largest
             key channel / its value range (compressed-tensors' parameter shape; vLLM flattens it to ``[kv_heads]``).
@@ -72,7 +80,7 @@ def kv_scale_tensors(scales: KVScales, strategy: str = "tensor") -> dict[str, to
     for i in sorted(scales.k_channel_absmax):
         k_range = scales.k_channel_absmax[i].float().amax(dim=1)  # [kv_heads]
         v_range = scales.v_head_absmax[i].float()  # [kv_heads]
-        k_name, v_name = vllm_scale_names(i)
+        k_name, v_name = vllm_scale_names(i, (prefixes or {}).get(i))
         for name, ranges in ((k_name, k_range), (v_name, v_range)):
             per = ranges.reshape(-1, 1, 1) if strategy == "attn_head" else ranges.max().reshape(1)
             out[name] = (per / FP8_E4M3_MAX).contiguous()
@@ -87,7 +95,10 @@ def _readme(scales: KVScales) -> str:
 Exported by hf-asymkv from calibrated ranges of `{model_id}` (layers {layers[0]}-{layers[-1]}, {len(layers)} in all).
 `{VLLM_SCALES_FILE}` holds only vLLM's per-tensor names, one float32 scalar each:
 `model.layers.{{i}}.self_attn.k_scale` and `model.layers.{{i}}.self_attn.v_scale`, the layer's largest key / value
-range divided by {FP8_E4M3_MAX:g} (the FP8-E4M3 dequant multiplier).
+range divided by {FP8_E4M3_MAX:g} (the FP8-E4M3 dequant multiplier). These are the names of Llama-style
+checkpoints; a checkpoint whose attention modules are named otherwise (GPT-NeoX's `gpt_neox.layers.{{i}}.attention`,
+multimodal `model.language_model.layers.{{i}}.self_attn`, ...) needs `hf-asymkv export-vllm --model CHECKPOINT`,
+which names the scales after the checkpoint's own modules.
 
 ## How to use
 
@@ -130,7 +141,7 @@ def export_vllm(scales: KVScales | str | Path, out_dir: str | Path, *, config=No
         ``out_dir`` as a Path, holding ``kv_scales.safetensors`` (only ``model.layers.{i}.self_attn.k_scale`` /
         ``v_scale``, float32, 0-dim), ``kv_cache_scheme.json`` and ``README.md``.
     """
-    from ..core.fileio import write_folder_atomically
+    from ..core.fileio import usual_mode, write_folder_atomically
     from ..version import __version__
 
     if isinstance(scales, KVScales):
@@ -147,6 +158,7 @@ def export_vllm(scales: KVScales | str | Path, out_dir: str | Path, *, config=No
 
     def build(tmp: Path) -> None:
         save_file(tensors, str(tmp / VLLM_SCALES_FILE), metadata=meta)
+        os.chmod(tmp / VLLM_SCALES_FILE, usual_mode())  # safetensors writes 0600
         (tmp / SCHEME_FILE).write_text(json.dumps(KV_CACHE_SCHEME, indent=2) + "\n", encoding="utf-8")
         (tmp / "README.md").write_text(_readme(scales), encoding="utf-8")
 
@@ -154,10 +166,11 @@ def export_vllm(scales: KVScales | str | Path, out_dir: str | Path, *, config=No
 
 
 def _match(name: str):
+    """``(module prefix with the layer index as *, layer, "k" or "v")`` of a KV scale name, or None."""
     for pattern in _NAME_PATTERNS:
         m = pattern.fullmatch(name)
         if m:
-            return m.group("prefix") or "", int(m.group("layer")), m.group("kind")
+            return f"{m.group('prefix')}*.{m.group('module')}", int(m.group("layer")), m.group("kind")
     return None
 
 
@@ -204,8 +217,9 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     else:
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
 
-    fp = config_fingerprint(config)
-    heads, head_dim, n_layers = fp["num_key_value_heads"], fp["head_dim"], fp["num_hidden_layers"]
+    fp, shapes = config_fingerprint(config), layer_shapes(config)
+    n_layers = fp["num_hidden_layers"]
+    kv_heads = {i: shape.kv_heads for i, shape in enumerate(shapes)}
     found: dict[tuple[int, str], tuple[torch.Tensor, str]] = {}  # (layer, "k"/"v") -> (scale(s), "file: tensor")
     prefixes: dict[str, str] = {}
     for f in files:
@@ -218,6 +232,7 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
         for name, (prefix, layer, kind) in names:
             where = f"{f.name}: {name}"
             prefixes.setdefault(prefix, where)
+            heads = kv_heads.get(layer, shapes[0].kv_heads)  # a layer beyond the model is named below
             value = _scale_values(tensors[name], heads, f"{where} (layer {layer}): {kind}_scale")
             previous = found.get((layer, kind))
             if previous is not None and not (previous[0].numel() == value.numel()
@@ -244,8 +259,9 @@ def read_vllm_scales(folder_or_file: str | Path, config, *, model_id: str | None
     if missing:
         raise ValueError(f"{where_all}: incomplete KV scales ({len(missing)} missing): " + "; ".join(missing[:8])
                          + (" ..." if len(missing) > 8 else ""))
-    k_abs = {i: (found[(i, "k")][0] * FP8_E4M3_MAX).reshape(-1, 1).expand(heads, head_dim).clone() for i in layers}
-    v_abs = {i: (found[(i, "v")][0] * FP8_E4M3_MAX).expand(heads).clone() for i in layers}
+    k_abs = {i: (found[(i, "k")][0] * FP8_E4M3_MAX).reshape(-1, 1).expand(shapes[i].kv_heads, shapes[i].head_dim).clone()
+             for i in layers}
+    v_abs = {i: (found[(i, "v")][0] * FP8_E4M3_MAX).expand(shapes[i].kv_heads).clone() for i in layers}
     per_head = any(value.numel() > 1 for value, _ in found.values())
     kind_of = "per-head" if per_head else "per-tensor"
     meta = {

@@ -172,3 +172,11 @@ def test_scheme_names_list_every_peer():
 
     assert list(PEER_SCHEMES) == list(PEERS)
     assert all(name in SCHEMES for name in PEERS)
+
+
+def test_peer_format_needs_a_registered_scheme_name():
+    """Peer names are written once, in the torch-free scheme registry the CLI reads."""
+    from hf_asymkv.bench.peers import PeerFormat
+
+    with pytest.raises(ValueError, match=r"peer format 'vllm-int3' has no scheme name; add it to PEER_SCHEMES"):
+        PeerFormat("vllm-int3", "", "", None, lambda h, d: 0)

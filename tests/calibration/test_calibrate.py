@@ -446,3 +446,29 @@ def test_genuinely_short_calibration_on_a_long_input_widens_never_clips(llama):
     forward(llama, ids[:, :192], uncal)
     kl_uncal = kl(ref_logits, forward(llama, ids[:, 192:], uncal).logits)
     assert kl(ref_logits, logits) <= 2 * kl_uncal + 1e-4  # widening keeps the quality of per-block ranges
+
+
+def test_calibration_of_gemma4_per_layer_head_dims(shared_kv, tmp_path):
+    """Gemma4's full-attention layers have their own head_dim: calibration used to crash on its fingerprint after
+    the whole pass; now the file validates and feeds a cache."""
+    stats = calibrate_model(shared_kv, [tokens(40, seed=1)], chunk_size=16, progress=False)
+    scales = scales_from_stats(stats, shared_kv.config)
+    assert {i: tuple(k.shape) for i, k in scales.k_channel_absmax.items()} == {0: (H, D), 1: (H, 32)}
+    loaded = KVScales.load(scales.save(tmp_path / "kv_scales.safetensors"), shared_kv.config)
+    cache = AsymKVCache(shared_kv.config, scales=loaded)
+    assert cache.layers[1].key_absmax.shape == (H, 32)
+    greedy_with_logits(shared_kv, tokens(20, seed=2), cache, n=4)
+
+
+def test_fingerprint_is_checked_before_any_model_pass(llama, monkeypatch):
+    import hf_asymkv.core.scales as scales_mod
+
+    def refuse(config):
+        raise ValueError("cannot fingerprint this config")
+
+    calls = []
+    monkeypatch.setattr(scales_mod, "config_fingerprint", refuse)
+    monkeypatch.setattr(llama, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match="cannot fingerprint this config"):
+        calibrate_model(llama, [tokens(40, seed=1)], chunk_size=16, progress=False)
+    assert not calls

@@ -59,7 +59,9 @@ def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
     assert "No layer's long-context key range exceeds" in captured.out
     k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
     summary = lines[-1]
-    assert summary.startswith(f"wrote {out} (2 layers, 3 x 128 tokens, absmax") and str(report_path) in summary
+    assert summary.startswith(f"wrote {out} (2 layers, 3 x 128 tokens from 384 distinct text tokens, absmax")
+    assert str(report_path) in summary and "warning" not in captured.err
+    assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "384", "1.0")
     assert f"largest K range {k_max:.2f}" in summary
 
 
@@ -88,6 +90,42 @@ def test_calibrate_overwrites_and_reads_folders_and_jsonl(workdir, tmp_path):
     assert KVScales.load(out).metadata["data"] == str(data)
 
 
+def test_text_read_more_than_once_is_warned_and_recorded(workdir, tmp_path, capsys):
+    """1501 text tokens for 20 x 128 = 2560 sample tokens: the summary, the scales metadata and the report say
+    so, and the warning comes before the calibration pass."""
+    out = tmp_path / "kv.safetensors"
+    assert calibrate(workdir, out, "--num-samples", "20") == 0
+    captured = capsys.readouterr()
+    assert "warning: 20 x 128 sample tokens from 1,501 distinct text tokens: the text is read 1.7 times" in captured.err
+    assert "x 128 tokens from 1,501 distinct text tokens, read 1.7 times," in captured.out.splitlines()[-1]
+    meta = KVScales.load(out).metadata
+    assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "1501", "1.71")
+    assert json.loads((tmp_path / "kv.report.json").read_text())["meta"]["distinct_tokens"] == 1501
+
+
+def test_defaults_fit_a_short_text_and_the_models_positions(workdir, tmp_path, capsys):
+    """No --seq-len / --num-samples: 8192 is cut to the tiny model's 1024 positions, and 4 samples to the 1 that
+    1501 tokens hold (4 would read the text 2.7 times)."""
+    out = tmp_path / "kv.safetensors"
+    assert main(["calibrate", "--model", str(workdir / "model"), "--data", str(workdir / "data.txt"),
+                 "--chunk-size", "512", "--out", str(out), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert ("warning: the text has 1,501 tokens: 1 x 1024 instead of the default 4 x 1024 samples, which would "
+            "read it 2.7 times") in captured.err
+    meta = KVScales.load(out).metadata
+    assert json.loads(meta["sample_lengths"]) == [1024] and meta["distinct_tokens"] == "1024"
+
+
+def test_default_seq_len_refuses_a_text_far_too_short(workdir, tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("w1 w2 w3 " * 30)
+    out = tmp_path / "kv.safetensors"
+    assert main(["calibrate", "--model", str(workdir / "model"), "--data", str(tmp_path / "short.txt"),
+                 "--out", str(out), "--quiet"]) == 2
+    assert "error: the calibration text has 91 tokens, far too few to calibrate on (at least 512" in \
+        capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_seq_len_beyond_the_models_positions_warns(workdir, tmp_path, capsys):
     out = tmp_path / "kv.safetensors"
     assert main(["calibrate", "--model", str(workdir / "model"), "--data", str(workdir / "data.txt"),
@@ -99,7 +137,7 @@ def test_seq_len_beyond_the_models_positions_warns(workdir, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ bad inputs
 BAD = [
     # (id, extra args, data override, message on stderr)
-    ("missing-data-file", [], "{tmp}/missing.txt", r"error: no such file or folder: '.*missing\.txt'"),
+    ("missing-data-file", [], "{tmp}/missing.txt", r"error: --data: no such file or folder: '.*missing\.txt'"),
     ("empty-data-file", [], "{tmp}/empty.txt", r"error: no text found in '.*empty\.txt'"),
     ("malformed-jsonl", [], "{tmp}/bad.jsonl", r"error: .*bad\.jsonl: cannot be read: .*JSON parse error"),
     ("missing-column", ["--text-field", "body"], "{tmp}/good.jsonl",

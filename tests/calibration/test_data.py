@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -369,3 +370,40 @@ def test_load_then_pack_with_a_real_tokenizer(tmp_path):
     write(tmp_path / "b.jsonl", jsonl({"text": "the dog sat"}))
     samples = pack_samples(load_texts(str(tmp_path)), tok, seq_len=5, num_samples=2)
     assert [s.tolist() for s in samples] == [[[2, 3, 4, 5, 2]], [[6, 1, 2, 0, 4]]]
+
+
+# ------------------------------------------------------------------------------------------------ plan_samples
+@pytest.mark.parametrize("text, seq_len, num, limit, expected, notes", [
+    (40_000, None, None, None, (8192, 4, 1.0), 0),  # enough text: the defaults
+    (9_000, None, None, None, (8192, 1, 1.0), 1),  # the 9k-token file: one sample, not 3.6 reads
+    (9_000, None, None, 2048, (2048, 4, 1.0), 0),  # the model's positions cut the length, 4 samples fit
+    (3_000, None, None, None, (3000, 1, 1.0), 2),  # shorter than a default sample: one sample of all of it
+    (9_000, 8192, 4, None, (8192, 4, 32768 / 9000), 1),  # asked for: kept, and read 3.6 times
+    (9_000, None, 3, None, (8192, 3, 24576 / 9000), 1),
+], ids=["enough", "9k-defaults", "position-limit", "shorter-than-a-sample", "9k-asked", "count-asked"])
+def test_plan_samples(text, seq_len, num, limit, expected, notes):
+    from hf_asymkv.calibration.data import plan_samples
+
+    plan = plan_samples(text, seq_len, num, limit)
+    assert (plan.seq_len, plan.num_samples, plan.reads) == pytest.approx(expected)
+    assert plan.distinct_tokens == min(text, plan.seq_len * plan.num_samples)
+    assert len(plan.notes) == notes  # every departure from what was asked or defaulted is said
+
+
+def test_plan_samples_names_the_reuse():
+    from hf_asymkv.calibration.data import plan_samples
+
+    notes = plan_samples(9_000).notes
+    assert notes == ("the text has 9,000 tokens: 1 x 8192 instead of the default 4 x 8192 samples, which would "
+                     "read it 3.6 times (give more text for more samples)",)
+
+
+@pytest.mark.parametrize("text, seq_len, message", [
+    (300, None, "the calibration text has 300 tokens, far too few to calibrate on (at least 512"),
+    (300, 400, "the calibration text has 300 tokens, fewer than one sample of --seq-len 400"),
+], ids=["too-short-for-defaults", "shorter-than-seq-len"])
+def test_plan_samples_refuses_too_little_text(text, seq_len, message):
+    from hf_asymkv.calibration.data import plan_samples
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan_samples(text, seq_len)

@@ -82,6 +82,15 @@ def test_no_command_prints_the_command_list_and_exits_2(capsys, argv):
     assert out.startswith(f"usage: hf-asymkv {' '.join(argv)}".rstrip()) and all(n in out for n in names)
 
 
+def test_top_level_help_names_every_evaluation(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    line = text.split(" eval ", 1)[1].split(" bench ", 1)[0]
+    for word in ("synthetic", "needle", "attention", "perplexity", "frontier", "report"):
+        assert word in line, line
+
+
 def _option_helps(help_text: str) -> dict[str, str]:
     """``{--flag: its help text}`` from a formatted ``--help``."""
     chunks = re.split(r"\n  (?=-)", help_text.split("options:", 1)[1])
@@ -141,7 +150,7 @@ BAD = [
     (["eval", "ppl", "--windows", "0"], "argument --windows: must be >= 1, got 0"),
     (["eval", "ppl", "--length", "2"], "argument --length: must be >= 3, got 2"),
     (["eval", "synthetic", "--seeds", "0"], "argument --seeds: must be >= 1, got 0"),
-    (["calibrate", "--data", "x.txt", "--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
+    (["calibrate", "--data", "org/corpus", "--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
 ]
 
 
@@ -171,7 +180,7 @@ def test_bad_value_is_refused_before_anything_loads(no_model, capsys, argv, mess
     (["bench", "--out", "taken.txt"], "argument --out: 'taken.txt' is a file; give a folder"),
     (["eval", "needle", "--out", "taken.txt"], "argument --out: 'taken.txt' is a file; give a folder"),
     (["memory", "--out", "folder"], "argument --out: 'folder' is a folder; give a file name"),
-    (["calibrate", "--data", "x.txt", "--out", "folder"], "argument --out: 'folder' is a folder; give a file name"),
+    (["calibrate", "--data", "org/corpus", "--out", "folder"], "argument --out: 'folder' is a folder; give a file name"),
 ], ids=["bench", "needle", "memory", "calibrate"])
 def test_output_path_of_the_wrong_kind_is_refused_before_the_run(no_model, capsys, argv, message):
     (no_model / "taken.txt").write_text("keep me")

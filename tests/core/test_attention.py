@@ -10,16 +10,17 @@ import sys
 
 import pytest
 import torch
+from helpers import layer_config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv import AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.core.attention import (
     ATTN_IMPLEMENTATION,
     FUSED_MAX_QUERY_TOKENS,
-    QuantizedKV,
     asymkv_sdpa_attention,
     fused_attention,
 )
+from hf_asymkv.core.kv_view import QuantizedKV
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
 
@@ -49,7 +50,7 @@ class _Module(torch.nn.Module):
 def _filled_layer(kspec, vspec, sinks, *, heads=2, tokens=70, head_dim=16, dtype=torch.float32, seed=0):
     """A layer holding ``tokens`` tokens (block 8, window 8): sinks, several quantized blocks and a window."""
     g = torch.Generator().manual_seed(seed)
-    layer = AsymKVLayer(kspec, vspec, block_size=8, residual_length=8, sink_tokens=sinks, return_views=True)
+    layer = AsymKVLayer(layer_config(kspec, vspec, 8, residual_length=8, sink_tokens=sinks), return_views=True)
     k = torch.randn(1, heads, tokens, head_dim, generator=g)
     k[..., 3] *= 20  # an outlier channel, as real keys have
     v = torch.randn(1, heads, tokens, head_dim, generator=g)
@@ -69,7 +70,7 @@ def test_fused_matches_reference(kspec, vspec, sinks, n_rep, q_len):
     layer, g = _filled_layer(kspec, vspec, sinks)
     new_k, new_v = torch.randn(2, 1, 2, q_len, 16, generator=g)
     key, value = layer.update(new_k, new_v)
-    assert isinstance(key, QuantizedKV) and key.codes.shape[2] > 0
+    assert isinstance(key, QuantizedKV) and key.n_quantized > 0
     # as attention modules make it: projected [B, q, Hq, D], then transposed (not contiguous when q_len > 1)
     q = torch.randn(1, q_len, 2 * n_rep, 16, generator=g).transpose(1, 2)
     module = _Module(n_rep)

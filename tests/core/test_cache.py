@@ -321,6 +321,32 @@ def test_small_window_runs_and_quantizes(request, model, mode, ctx):
             assert run.caches[0].stats()["requantized_tokens"] == 0
 
 
+def _live_bytes(cache: AsymKVCache) -> int:
+    foot = cache.memory_footprint()
+    return foot["total"] - foot.get("unused_capacity", 0)
+
+
+def test_recording_left_on_by_assisted_generate_ends(llama, ctx):
+    """Assisted generate leaves recording on; the same cache then decodes 40 plain tokens. Before the fix nothing
+    was quantized after the assisted run (the window grew like a DynamicCache); now the cache holds what a fresh
+    cache holding the same tokens holds, within one block per layer."""
+    cache = AsymKVCache(llama.config, **SMALL)
+    first = _gen(llama, ctx["prompt"], cache_kwargs(cache), assistant_model=ctx["assistant"], max_new_tokens=24)
+    if GENERATE_RECORDS_PAST:
+        assert all(layer.record_past for layer in _asym_layers(cache))  # what generate leaves behind
+    second = _gen(llama, first.sequences, cache_kwargs(cache), max_new_tokens=40)
+    fresh = AsymKVCache(llama.config, **SMALL)
+    with torch.no_grad():
+        llama(second.sequences[:, :-1], **cache_kwargs(fresh))
+    assert cache.get_seq_length() == fresh.get_seq_length()
+    block = SMALL["key_block_size"]
+    for layer, ref in zip(_asym_layers(cache), _asym_layers(fresh)):
+        assert abs(layer.key_store.blocks.length - ref.key_store.blocks.length) <= block
+        assert layer.key_store.window.length < SMALL["residual_length"] + 2 * block
+    token_bytes = 2 * 2 * 16 * 4  # K and V of one token, 2 KV heads, head_dim 16, float32
+    assert abs(_live_bytes(cache) - _live_bytes(fresh)) <= len(cache.layers) * block * token_bytes
+
+
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
 def test_small_window_greedy_close_to_dynamic(request, model, ctx):
     """Teacher-forced along the exact greedy continuation: the quantized cache picks the same next token almost
@@ -458,6 +484,39 @@ def test_memory_footprint_and_bf16_equivalent(llama, prompt):
     assert 0 < fp["total"] < 2 * fp["bf16_equivalent"]  # fp32 model: exact parts cost 2x bf16, codes far less
     assert set(cache.stats()) >= {"tokens_quantized", "blocks_quantized", "flushes", "requantized_tokens"}
     assert "AsymKVCache(" in repr(cache)
+
+
+# SmolLM2-135M's attention shape (head_dim 64, 3 KV heads), two layers: bytes per layer depend on shapes only.
+SMOLLM_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, num_hidden_layers=2,
+                    intermediate_size=64, vocab_size=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+def test_short_prompts_cost_no_more_than_a_dynamic_cache(preset, dtype):
+    """A 37-token prompt, then decoding to 400 tokens: never more bytes than a DynamicCache in the model's dtype
+    (at 37 tokens + decoding it was 0.90x: the window's growth slack), and fewer from the first quantized block on:
+    the break-even length is sink_tokens + residual_length + key_block_size (196 tokens for the default)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**SMOLLM_SHAPE)
+    cache = AsymKVCache.from_preset(preset, config)
+    settings = PRESETS[preset]
+    break_even = settings.sink_tokens + settings.residual_length + settings.key_block_size
+    g = torch.Generator().manual_seed(0)
+    first_saving = None
+    for length in range(37, 401):
+        n = 37 if length == 37 else 1
+        for i in range(2):
+            k, v = (torch.randn(1, 3, n, 64, generator=g).to(dtype) for _ in range(2))
+            cache.update(k, v, i)
+        ratio = cache.memory_footprint()["ratio_vs_model_dtype"]
+        assert ratio >= 1.0, (length, ratio)
+        if ratio > 1.0 and first_saving is None:
+            first_saving = length
+        if first_saving is not None:
+            assert ratio > 1.0, (length, ratio)
+    assert first_saving == break_even
 
 
 @pytest.mark.parametrize("model_name, dtype", [("llama", torch.float32), ("llama", torch.bfloat16),

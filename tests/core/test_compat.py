@@ -13,7 +13,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.core import compat
-from hf_asymkv.core.attention import QuantizedKV
+from hf_asymkv.core.kv_view import QuantizedKV
+from hf_asymkv.core.packing import PackedCodes
 from hf_asymkv.core.quant import QuantSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,11 +75,12 @@ def test_reset_layer_empties_a_sliding_window():
 
 
 def test_quantized_kv_to_device():
-    kv = QuantizedKV(prefix=None, codes=torch.zeros(1, 1, 0, 8, dtype=torch.uint8), scale=torch.ones(1, 1, 0, 1),
-                     zero=None, spec=QuantSpec("int8", "channel"), block_size=8, tail=torch.ones(1, 1, 2, 8))
+    codes = PackedCodes(torch.zeros(1, 1, 0, 8, dtype=torch.uint8), 8, "head_dim", 8)
+    kv = QuantizedKV(prefix=None, codes=codes, scale=torch.ones(1, 1, 0, 1), zero=None,
+                     spec=QuantSpec("int8", "channel", block_size=8), tail=torch.ones(1, 1, 2, 8))
     assert kv.to("cpu") is kv
     moved = kv.to("meta")
-    assert moved.device.type == moved.codes.device.type == moved.scale.device.type == "meta"
+    assert moved.device.type == moved.codes.data.device.type == moved.scale.device.type == "meta"
     assert moved.prefix is None and moved.zero is None
 
 

@@ -67,7 +67,7 @@ def test_replace_validates():
 def test_dict_round_trip_through_json():
     c = AsymKVConfig(key_format="fp8_e4m3", value_bits=2, sink_tokens=4, value_group_size=32)
     d = json.loads(json.dumps(c.to_dict()))
-    assert d["config_version"] == 3
+    assert d["config_version"] == 4
     assert AsymKVConfig.from_dict(d) == c
 
 
@@ -105,7 +105,7 @@ def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
 
 @pytest.mark.parametrize("data, message", [
     ([1], "settings must be a JSON object, got list"),
-    ({"config_version": 4}, r"settings: config_version 4 is not supported \(supported: \[1, 2, 3\]\); upgrade hf-asymkv"),
+    ({"config_version": 5}, r"settings: config_version 5 is not supported \(supported: \[1, 2, 3, 4\]\); upgrade hf-asymkv"),
     ({"window": 8}, r"settings: unknown AsymKVCache settings \['window'\]"),
     ({"residual_length": [8]}, "settings: setting 'residual_length' must be a JSON scalar"),
     ({"value_bits": 7}, r"settings: value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
@@ -150,3 +150,81 @@ def test_cache_reads_one_config_and_settings_override_it():
 def test_cache_refuses_a_cache_config_of_another_type():
     with pytest.raises(ValueError, match="cache_config must be an AsymKVConfig, got dict"):
         AsymKVCache(llama_config(), {"value_bits": 2})
+
+
+# ------------------------------------------------------------------------------------------------ per-layer overrides
+PROTECT = {0: {"key_format": "int8", "key_symmetric": True, "value_bits": 8}, -1: {"residual_length": 128}}
+
+
+def test_layer_overrides_are_normalized_and_read_back():
+    c = AsymKVConfig(key_format="int4", key_symmetric=False, layer_overrides=PROTECT)
+    assert c.overrides() == PROTECT
+    assert c == AsymKVConfig(key_format="int4", key_symmetric=False, layer_overrides=dict(reversed(PROTECT.items())))
+    hash(c)  # still immutable and hashable
+    layer0 = c.for_layer(0)
+    assert (layer0.key_format, layer0.key_symmetric, layer0.value_bits, layer0.layer_overrides) == ("int8", True, 8, ())
+    assert c.for_layer(5) == AsymKVConfig(key_format="int4", key_symmetric=False)  # no override: the base settings
+    assert "overrides for layers [-1, 0]" in c.describe()
+
+
+def test_layer_overrides_round_trip_through_json():
+    c = AsymKVConfig(layer_overrides=PROTECT)
+    d = json.loads(json.dumps(c.to_dict()))
+    assert d["config_version"] == 4 and d["layer_overrides"] == {"0": PROTECT[0], "-1": PROTECT[-1]}
+    assert AsymKVConfig.from_dict(d) == c
+    assert AsymKVConfig().replace(layer_overrides=PROTECT) == c and c.replace(value_bits=2).overrides() == PROTECT
+
+
+def test_older_dicts_have_no_overrides():
+    assert AsymKVConfig.from_dict({"config_version": 3}).layer_overrides == ()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({0: {"key_format": "int5"}}, r"layer_overrides\[0\]: key_format must be one of .*got 'int5'"),
+    ({-2: {"residual_length": -1}}, r"layer_overrides\[-2\]: residual_length must be an int >= 0, got -1"),
+    ({3: {"key_format": "fp8_e4m3", "key_symmetric": False}}, r"layer_overrides\[3\]: key_symmetric=False needs an integer"),
+    ({1: {"growth_factor": 2.0}}, r"layer_overrides\[1\]: unknown or not per-layer settings \['growth_factor'\]"),
+    ({"0": {"value_bits": 2}}, r"layer_overrides keys must be layer indices \(int\), got '0'"),
+    ({True: {"value_bits": 2}}, r"layer_overrides keys must be layer indices \(int\), got True"),
+    ([0], r"layer_overrides must be a dict"),
+], ids=["bad-format", "bad-window", "fp8-asym", "not-per-layer", "str-index", "bool-index", "not-a-dict"])
+def test_bad_layer_override_is_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        AsymKVConfig(layer_overrides=overrides)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"config_version": 4, "layer_overrides": {"zero": {}}}, r"settings: layer_overrides keys must be layer indices, got 'zero'"),
+    ({"config_version": 4, "layer_overrides": {"0": {"value_bits": [2]}}}, r"settings: layer_overrides\[0\] must be an object"),
+    ({"config_version": 4, "layer_overrides": [1]}, r"settings: layer_overrides must be a JSON object"),
+    ({"config_version": 4, "layer_overrides": {"1": {"value_bits": 7}}}, r"settings: layer_overrides\[1\]: value_bits must"),
+], ids=["bad-key", "non-scalar", "not-object", "bad-value"])
+def test_from_dict_names_bad_overrides(data, message):
+    with pytest.raises(ValueError, match=message):
+        AsymKVConfig.from_dict(data)
+
+
+TYPES = ["full_attention", "sliding_attention", "full_attention", "full_attention"]
+
+
+def test_layer_configs_apply_each_override_once():
+    c = AsymKVConfig(layer_overrides={0: {"key_block_size": 32, "value_bits": 2}, -1: {"sink_tokens": 0}}).resolved([16])
+    configs = c.layer_configs({0: 16, 2: 16, 3: 16}, TYPES)
+    assert sorted(configs) == [0, 2, 3]
+    assert configs[0].block_size == 32 and configs[0].value_spec.bits == 2 and configs[0].sink_tokens == 4
+    assert configs[3].sink_tokens == 0 and configs[3].block_size == 128
+    assert configs[2] == c.layer_config()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({4: {"value_bits": 2}}, r"layer_overrides names layer 4, but the model has 4 layers \(indices 0 to 3, or -1 to -4"),
+    ({-5: {"value_bits": 2}}, r"layer_overrides names layer -5, but the model has 4 layers"),
+    ({1: {"value_bits": 2}}, r"layer_overrides names layer 1, a 'sliding_attention' layer that is not quantized; "
+                             r"overrides apply to the quantized layers \[0, 2, 3\]"),
+    ({3: {"value_bits": 2}, -1: {"value_bits": 8}}, r"layer_overrides names layer 3 twice \(as -1 and 3\)"),
+    ({2: {"value_group_size": 12}}, r"layer 2: value_group_size must divide head_dim=16"),
+], ids=["beyond", "beyond-negative", "sliding", "twice", "group"])
+def test_layer_configs_refuse_bad_indices_naming_the_layer(overrides, message):
+    c = AsymKVConfig(layer_overrides=overrides).resolved([16])
+    with pytest.raises(ValueError, match=message):
+        c.layer_configs({0: 16, 2: 16, 3: 16}, TYPES)

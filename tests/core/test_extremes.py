@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import llama_config
+from helpers import layer_config
 
 from hf_asymkv import AsymKVCache, AsymKVLayer, QuantSpec
 
@@ -15,12 +16,13 @@ B, H, D, BLOCK = 1, 2, 16, 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _layer(key_format: str = "int8", value_bits: int = 4, **kw) -> AsymKVLayer:
+def _layer(key_format: str = "int8", value_bits: int = 4, *, key_absmax=None, **settings) -> AsymKVLayer:
     """A layer as `AsymKVCache` builds it (bf16 key scales, fp16 value scale/zero), window 0 so that everything
     past the first block is quantized."""
-    kw.setdefault("residual_length", 0)
-    return AsymKVLayer(QuantSpec(key_format, "channel", D, True, torch.bfloat16),
-                       QuantSpec(f"int{value_bits}", "token", D, False, torch.float16), block_size=BLOCK, **kw)
+    settings.setdefault("residual_length", 0)
+    config = layer_config(QuantSpec(key_format, "channel", D, True, torch.bfloat16),
+                          QuantSpec(f"int{value_bits}", "token", D, False, torch.float16), BLOCK, **settings)
+    return AsymKVLayer(config, key_absmax=key_absmax)
 
 
 def _roundtrip(layer: AsymKVLayer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,7 @@ def test_calibrated_range_needs_a_symmetric_per_channel_key_spec(spec, words):
     """An asymmetric key spec with a calibrated range used to decode every negative key as 0."""
     with pytest.raises(ValueError, match=f"calibrated key range .* needs a key spec with granularity='channel' and "
                                          f"symmetric=True, got .*{words}"):
-        AsymKVLayer(spec, QuantSpec("int4", "token", 16, False), key_absmax=torch.ones(H, D))
+        AsymKVLayer(layer_config(spec, QuantSpec("int4", "token", 16, False), 1), key_absmax=torch.ones(H, D))
 
 
 def test_layer_refuses_an_unknown_overflow_policy():

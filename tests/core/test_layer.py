@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import layer_config
 
 from hf_asymkv import AsymKVLayer
 from hf_asymkv.core.compat import CROP_TAKES_LENGTH_TO_KEEP
@@ -30,10 +31,11 @@ def value_spec(bits: int = 4, group: int = D) -> QuantSpec:
     return QuantSpec(f"int{bits}", "token", group, False, torch.float16)
 
 
-def make_layer(key_format: str = "int8", value_bits: int = 4, **kw) -> AsymKVLayer:
-    kw.setdefault("block_size", 8)
-    kw.setdefault("residual_length", 8)
-    return AsymKVLayer(key_spec(key_format), value_spec(value_bits), **kw)
+def make_layer(key_format: str = "int8", value_bits: int = 4, *, block_size: int = 8, key_absmax=None,
+               **settings) -> AsymKVLayer:
+    settings.setdefault("residual_length", 8)
+    config = layer_config(key_spec(key_format), value_spec(value_bits), block_size, **settings)
+    return AsymKVLayer(config, key_absmax=key_absmax)
 
 
 def kv(n: int, seed: int = 0, batch: int = B, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,10 +64,10 @@ def live(layer: AsymKVLayer) -> dict[str, torch.Tensor]:
     return {name: buf.live.clone() for name, buf in layer.buffers().items() if buf.data is not None}
 
 
-def reference_dequant(x: torch.Tensor, spec: QuantSpec, block_size: int) -> torch.Tensor:
+def reference_dequant(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Quantize ``x`` block by block exactly once and decode: what the layer must hand back for closed blocks."""
-    scale, zero = compute_scale_zero(x, spec, block_size)
-    return dequantize(quantize(x, scale, zero, spec, block_size), scale, zero, spec, block_size, dtype=x.dtype)
+    scale, zero = compute_scale_zero(x, spec)
+    return dequantize(quantize(x, scale, zero, spec), scale, zero, spec, dtype=x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -109,8 +111,8 @@ def test_dense_readout_is_blockwise_quantize_dequantize(key_format, sink_tokens)
     assert torch.equal(keys[:, :, :ns], k[:, :, :ns]) and torch.equal(values[:, :, :ns], v[:, :, :ns])
     assert torch.equal(keys[:, :, ns + nq :], k[:, :, ns + nq :])
     assert torch.equal(values[:, :, ns + nq :], v[:, :, ns + nq :])
-    assert torch.equal(keys[:, :, q], reference_dequant(k[:, :, q], layer.key_spec, 8))
-    assert torch.equal(values[:, :, q], reference_dequant(v[:, :, q], layer.value_spec, 8))
+    assert torch.equal(keys[:, :, q], reference_dequant(k[:, :, q], layer.key_spec))
+    assert torch.equal(values[:, :, q], reference_dequant(v[:, :, q], layer.value_spec))
     assert not torch.equal(keys[:, :, q], k[:, :, q])  # it really is quantized
 
 
@@ -456,7 +458,7 @@ def test_memory_footprint_counts_real_bytes(dtype):
 
 def test_values_narrower_than_keys():
     """MLA-style caches (e.g. DeepSeek-V3 in transformers) store K and V of different widths."""
-    layer = AsymKVLayer(key_spec(), value_spec(group=8), block_size=8, residual_length=8)
+    layer = AsymKVLayer(layer_config(key_spec(), value_spec(group=8), 8, residual_length=8))
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(B, H, 61, 32, generator=g), torch.randn(B, H, 61, 8, generator=g)
     feed(layer, k[:, :, :60], v[:, :, :60], [30] + [1] * 30)
@@ -469,8 +471,8 @@ def test_values_narrower_than_keys():
     after_k, after_v = layer.update(k[:, :, :1], v[:, :, :1])
     assert torch.equal(after_k[:, :, :40], keys[:, :, :40])  # whole blocks: unchanged codes
     assert torch.equal(after_v[:, :, :40], values[:, :, :40])
-    assert torch.equal(after_k[:, :, 40:45], reference_dequant(k[:, :, 40:48], layer.key_spec, 8)[:, :, :5])
-    assert torch.equal(after_v[:, :, 40:45], reference_dequant(v[:, :, 40:48], layer.value_spec, 8)[:, :, :5])
+    assert torch.equal(after_k[:, :, 40:45], reference_dequant(k[:, :, 40:48], layer.key_spec)[:, :, :5])
+    assert torch.equal(after_v[:, :, 40:45], reference_dequant(v[:, :, 40:48], layer.value_spec)[:, :, :5])
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -536,6 +538,7 @@ def test_calibrated_overflow_error_raises_and_leaves_layer_untouched():
         layer.update(k[:, :, 4:], v[:, :, 4:])
     assert layer.get_seq_length() == 4 and lengths(layer) == (0, 0, 4)
     assert all(torch.equal(state[name], buf) for name, buf in live(layer).items())
+    assert not layer.stats  # no counter moved either (key_overflow_channels was counted before the raise)
 
 
 def test_calibrated_range_with_wrong_shape_raises():
@@ -554,3 +557,41 @@ def test_returned_tensors_are_not_rewritten_by_later_updates():
     feed(layer, k[:, :, 15:], v[:, :, 15:], [1] * 5)  # the 16th token flushes; the window buffer is reused
     assert layer.stats["tokens_quantized"] > 0
     assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+
+
+# ------------------------------------------------------------------------------------------------ deferral
+def test_recording_left_on_defers_one_update_only():
+    """transformers' assisted generate leaves recording on; before, nothing was ever quantized again (the window
+    grew like a DynamicCache). Now each update's tokens are pending for one update: the window stays bounded."""
+    layer = make_layer(sink_tokens=2)
+    layer.activate_past_recording()
+    k, v = kv(200)
+    for start in range(0, 200, 5):
+        layer.update(k[:, :, start : start + 5], v[:, :, start : start + 5])
+        ns, nq, nw = lengths(layer)
+        assert nw < layer.residual_length + layer.block_size + 5
+        assert layer.pending_tokens == (3 if start == 0 else 5)  # the first 2 tokens became sinks
+    assert layer.record_past and nq >= 200 - 2 - layer.residual_length - layer.block_size - 5
+
+
+def test_keep_latest_exact_holds_a_prefill_until_the_next_update():
+    """The mechanism a press needs: the prefill stays exact in the window until the step after it."""
+    layer = make_layer()
+    layer.keep_latest_exact = True
+    k, v = kv(61)
+    keys, _ = layer.update(k[:, :, :60], v[:, :, :60])
+    assert lengths(layer) == (0, 0, 60) and torch.equal(keys, k[:, :, :60])
+    layer.update(k[:, :, :0], v[:, :, :0])  # a read keeps it pending
+    assert lengths(layer) == (0, 0, 60)
+    layer.update(k[:, :, 60:], v[:, :, 60:])
+    ns, nq, nw = lengths(layer)
+    assert nq == 48 and nw == 13  # the prefill aged out at the next update; the new token is pending
+
+
+def test_reset_ends_recording_and_deferral():
+    layer, k, v = _recording()
+    layer.keep_latest_exact = True
+    layer.reset()
+    assert not layer.record_past and not layer.keep_latest_exact and layer.pending_tokens == 0
+    feed(layer, k[:, :, :40], v[:, :, :40], [40])
+    assert lengths(layer)[1] > 0  # an update quantizes again at once

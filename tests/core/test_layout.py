@@ -12,9 +12,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_asymkv"
 CORE = PACKAGE / "core"
-# What the core may import from the package besides itself: the version string.
-CORE_ALLOWED = ("hf_asymkv.core", "hf_asymkv.version")
-TOOLING_THIRD_PARTY = ("matplotlib", "datasets", "safetensors.torch", "accelerate")
+KERNELS = PACKAGE / "kernels"
+# What the core may import from the package besides itself: the version string and the kernels (the ground floor
+# below the core: they import nothing else from the package).
+CORE_ALLOWED = ("hf_asymkv.core", "hf_asymkv.version", "hf_asymkv.kernels")
+TOOLING_THIRD_PARTY = ("matplotlib", "datasets", "safetensors.torch", "accelerate", "triton")
 IMPORT_SECONDS = 1.0  # our own import time on top of torch + transformers (measured: ~0.02 s)
 
 
@@ -55,6 +57,16 @@ def test_core_imports_no_tool(path):
     bad = [(target, line) for target, _, line in _imports(path)
            if target.startswith("hf_asymkv") and not target.startswith(CORE_ALLOWED)]
     assert not bad, f"{path.relative_to(PACKAGE.parent)} imports tooling: {bad}"
+
+
+KERNEL_FILES = sorted(KERNELS.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=[p.name for p in KERNEL_FILES])
+def test_kernels_import_nothing_else_from_the_package(path):
+    bad = [(target, line) for target, _, line in _imports(path)
+           if target.startswith("hf_asymkv") and not target.startswith("hf_asymkv.kernels")]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports from the package: {bad}"
 
 
 @pytest.mark.parametrize("path", PACKAGE_FILES, ids=[str(p.relative_to(PACKAGE)) for p in PACKAGE_FILES])
@@ -134,3 +146,99 @@ def test_public_names_resolve_and_unknown_names_fail():
     assert set(hf_asymkv.__all__) <= set(dir(hf_asymkv))
     with pytest.raises(AttributeError, match="no attribute 'KEY_FORMAT'.*public names"):
         hf_asymkv.KEY_FORMAT
+
+
+# Settings flow as one object: layers and stores take a LayerConfig / QuantSpec / Growth, not loose settings.
+MAX_SETTINGS_ARGUMENTS = 5
+
+
+def _settings_arguments() -> dict[str, list[str]]:
+    """``{callable: [its parameters named like an AsymKVConfig field]}`` for every public callable of the core
+    (functions, classes, methods) apart from AsymKVConfig itself."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from hf_asymkv.core.config import AsymKVConfig
+
+    names = {f.name for f in dataclasses.fields(AsymKVConfig)} | {"block_size"}
+    found = {}
+    for path in CORE_FILES:
+        module = importlib.import_module(_module_name(path))
+        for public in getattr(module, "__all__", ()):
+            obj = getattr(module, public)
+            targets = [(public, obj)] if callable(obj) else []
+            if inspect.isclass(obj) and obj is not AsymKVConfig:
+                targets += [(f"{public}.{n}", m) for n, m in vars(obj).items() if inspect.isfunction(m)]
+            elif obj is AsymKVConfig:
+                targets = []
+            for name, fn in targets:
+                try:
+                    params = inspect.signature(fn).parameters
+                except (TypeError, ValueError):
+                    continue
+                found[f"{module.__name__}.{name}"] = [p for p in params if p in names]
+    return found
+
+
+def test_no_core_callable_takes_more_than_five_settings():
+    found = _settings_arguments()
+    assert "hf_asymkv.core.layer.AsymKVLayer" in found  # the walker sees the layer
+    too_many = {name: params for name, params in found.items() if len(params) > MAX_SETTINGS_ARGUMENTS}
+    assert not too_many, f"pass an AsymKVConfig / LayerConfig instead of loose settings: {too_many}"
+
+
+# Names and facts defined once (issue 23): a constant assigned in two modules drifts (two SUPPORTED_CONFIG_VERSIONS
+# with different meanings, FP8_E4M3_MAX twice).
+ONCE = ("FP8_E4M3_MAX", "SUPPORTED_")
+
+
+def _assigned_names(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)]
+
+
+def test_constants_are_defined_once():
+    where: dict[str, list[str]] = {}
+    for path in PACKAGE_FILES:
+        for name in _assigned_names(path):
+            if name.startswith(ONCE):
+                where.setdefault(name, []).append(str(path.relative_to(PACKAGE)))
+    assert "FP8_E4M3_MAX" in where and "SUPPORTED_CONFIG_VERSIONS" in where
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"define each constant in one module and import it elsewhere: {twice}"
+
+
+# Dependencies point one way (issue 24): evaluations build on the benchmarks' schemes, never the reverse; tools
+# use only what a core module exports.
+SCRIPTS = PACKAGE.parent / "scripts"
+TOOL_FILES = [p for p in PACKAGE_FILES if CORE not in p.parents] + sorted(SCRIPTS.glob("*.py"))
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "bench").rglob("*.py")), ids=lambda p: p.name)
+def test_bench_does_not_import_evals(path):
+    bad = [(target, line) for target, _, line in _imports(path) if target.startswith("hf_asymkv.evals")]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports the evaluations (they import bench): {bad}"
+
+
+def _core_exports(module: str) -> set[str]:
+    import importlib
+
+    return set(getattr(importlib.import_module(module), "__all__", ()))
+
+
+@pytest.mark.parametrize("path", TOOL_FILES, ids=[str(p.relative_to(PACKAGE.parent)) for p in TOOL_FILES])
+def test_tools_import_only_exported_core_names(path):
+    bad = [(target, name, line) for target, names, line in _imports(path) if target.startswith("hf_asymkv.core.")
+           for name in names if name not in _core_exports(target)]
+    assert not bad, f"{path.relative_to(PACKAGE.parent)} imports core names outside their module's __all__: {bad}"
+
+
+def test_registry_and_scheme_names_load_without_torch():
+    """The command line lists presets, formats and scheme names from plain modules (``--help`` stays fast)."""
+    code = ("import sys; import hf_asymkv.core.registry, hf_asymkv.bench.schemes; "
+            "print(' '.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import llama_config
+from helpers import layer_config
 from transformers import LlamaConfig
 
 from hf_asymkv import PRESETS, AsymKVCache, AsymKVConfig
@@ -42,7 +43,7 @@ def test_rotation_round_trips_against_float64():
 def _filled(vspec: QuantSpec, kspec: QuantSpec | None = None, sinks: int = 3, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     kspec = kspec or QuantSpec("int8", "channel", scale_dtype=torch.bfloat16)
-    layer = AsymKVLayer(kspec, vspec, block_size=8, residual_length=8, sink_tokens=sinks, return_views=True)
+    layer = AsymKVLayer(layer_config(kspec, vspec, 8, residual_length=8, sink_tokens=sinks), return_views=True)
     k, v = torch.randn(2, 1, 2, 70, 16, generator=g)
     v[..., 2] *= 30
     key, value = layer.update(k.to(dtype), v.to(dtype))

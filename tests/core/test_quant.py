@@ -6,6 +6,7 @@ floor in dB (plus exact per-element bounds where the format gives one), not with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -15,6 +16,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_asymkv.core.packing import (
+    PackedCodes,
+    pack_bits,
+    pack_codes,
+    packs_tokens,
+    plane_widths,
+    unpack_bits,
+    unpack_codes,
+)
 from hf_asymkv.core.quant import (
     FORMATS,
     GRANULARITIES,
@@ -22,15 +32,9 @@ from hf_asymkv.core.quant import (
     compute_scale_zero,
     decode_codes,
     dequantize,
-    pack_bits,
-    pack_codes,
-    packs_tokens,
-    plane_widths,
     quantize,
     scale_from_absmax,
     sqnr_db,
-    unpack_bits,
-    unpack_codes,
 )
 
 INF, NAN = math.inf, math.nan
@@ -52,22 +56,26 @@ def make_spec(fmt: str, symmetric: bool, granularity: str, group_size: int = GRO
                      symmetric=symmetric, **kw)
 
 
+def blocked(spec: QuantSpec, block_size: int) -> QuantSpec:
+    return dataclasses.replace(spec, block_size=block_size)
+
+
 def roundtrip(x: torch.Tensor, spec: QuantSpec, block_size: int = BLOCK, dtype: torch.dtype = torch.float32):
-    scale, zero = compute_scale_zero(x, spec, block_size)
-    codes = quantize(x, scale, zero, spec, block_size)
-    return scale, zero, codes, dequantize(codes, scale, zero, spec, block_size, dtype=dtype)
+    spec = blocked(spec, block_size)
+    scale, zero = compute_scale_zero(x, spec)
+    codes = quantize(x, scale, zero, spec)
+    return scale, zero, codes, dequantize(codes, scale, zero, spec, dtype=dtype)
 
 
 def expand(meta: torch.Tensor, spec: QuantSpec, head_dim: int, block_size: int = BLOCK) -> torch.Tensor:
     """``[B, H, T // tg, D // cg]`` scale/zero -> ``[B, H, T, D]`` float64, one value per element."""
-    tg, cg = spec.groups(head_dim, block_size)
+    tg, cg = blocked(spec, block_size).groups(head_dim)
     return meta.double().repeat_interleave(tg, dim=2).repeat_interleave(cg, dim=3)
 
 
-def int_codes(codes: torch.Tensor, spec: QuantSpec, block_size: int = BLOCK) -> torch.Tensor:
-    """Stored codes (made with ``block_size``) -> the integer code each element was rounded to (signed for
-    symmetric specs)."""
-    vals = codes if spec.bits == 8 else unpack_codes(codes, spec.bits, block_size)
+def int_codes(codes: PackedCodes, spec: QuantSpec) -> torch.Tensor:
+    """Stored codes -> the integer code each element was rounded to (signed for symmetric specs)."""
+    vals = codes.data if spec.bits == 8 else unpack_codes(codes)
     vals = vals.to(torch.int32)
     if spec.symmetric and spec.bits < 8:
         vals = vals - 2 ** (spec.bits - 1)
@@ -123,8 +131,8 @@ def test_hand_int8_symmetric_per_channel(case):
     assert zero is None
     assert scale.dtype == scale_dtype and scale.shape == (1, 1, 1, 4)
     assert scale.flatten().tolist() == exp_scale
-    assert codes.dtype == torch.int8 and codes.shape == (1, 1, 2, 4)
-    assert codes[0, 0].tolist() == exp_codes
+    assert codes.data.dtype == torch.int8 and codes.data.shape == (1, 1, 2, 4)
+    assert codes.data[0, 0].tolist() == exp_codes
     assert deq.dtype == torch.float32
     assert deq[0, 0].tolist() == exp_vals
     # the metadata was rounded up, never down
@@ -142,10 +150,10 @@ def test_hand_int4_asymmetric_per_token():
     assert scale.dtype == zero.dtype == torch.float16
     assert scale.flatten().tolist() == [1639 / 8192, 0.25]
     assert zero.flatten().tolist() == [-1.0, 0.5]
-    assert codes.dtype == torch.uint8 and codes.shape == (1, 1, 2, 2)
-    assert unpack_bits(codes, 4)[0, 0].tolist() == [[0, 5, 15, 7], [0, 15, 4, 6]]
+    assert codes.data.dtype == torch.uint8 and codes.data.shape == (1, 1, 2, 2)
+    assert unpack_bits(codes.data, 4)[0, 0].tolist() == [[0, 5, 15, 7], [0, 15, 4, 6]]
     # packed in bit-planes: byte i = element i | element i + 2 << 4 -> 0 | 15 << 4 = 240, 5 | 7 << 4 = 117, ...
-    assert codes[0, 0].tolist() == [[240, 117], [64, 111]]
+    assert codes.data[0, 0].tolist() == [[240, 117], [64, 111]]
     assert deq[0, 0].tolist() == [[-1.0, -1 + 5 * 1639 / 8192, -1 + 15 * 1639 / 8192, -1 + 7 * 1639 / 8192],
                                   [0.5, 4.25, 1.5, 2.0]]
 
@@ -167,7 +175,7 @@ def test_hand_int4_symmetric_per_token():
     scale, zero, codes, deq = roundtrip(x, spec)
     assert zero is None and scale.item() == 1.0
     assert int_codes(codes, spec)[0, 0, 0].tolist() == [-7, 4, 0, 7]
-    assert codes[0, 0, 0].tolist() == [1 | 8 << 4, 12 | 15 << 4]  # bit-planes: [129, 252]
+    assert codes.data[0, 0, 0].tolist() == [1 | 8 << 4, 12 | 15 << 4]  # bit-planes: [129, 252]
     assert deq[0, 0, 0].tolist() == [-7.0, 4.0, 0.0, 7.0]
 
 
@@ -188,7 +196,7 @@ def test_hand_int2_per_token(symmetric, x, exp_scale, exp_zero, exp_codes, exp_b
     scale, zero, codes, deq = roundtrip(torch.tensor(x).view(1, 1, 1, 4), spec)
     assert scale.item() == exp_scale
     assert (zero is None) if exp_zero is None else zero.item() == exp_zero
-    assert codes.shape == (1, 1, 1, 1) and codes.item() == exp_byte
+    assert codes.data.shape == (1, 1, 1, 1) and codes.data.item() == exp_byte
     assert int_codes(codes, spec).flatten().tolist() == exp_codes
     assert deq.flatten().tolist() == exp_vals
 
@@ -211,8 +219,8 @@ def test_hand_fp8_exact_values_round_trip_exactly(fmt, values, exp_scale, granul
     spec = QuantSpec(fmt, granularity, group_size=8 if granularity == "token" else None)
     scale, zero, codes, deq = roundtrip(x, spec, block_size=1)
     assert zero is None and scale.item() == exp_scale
-    assert codes.dtype == spec.code_dtype
-    assert codes.float().flatten().tolist() == [v / exp_scale for v in values]
+    assert codes.data.dtype == spec.code_dtype
+    assert codes.data.float().flatten().tolist() == [v / exp_scale for v in values]
     assert torch.equal(deq, x)
     assert sqnr_db(x, deq) == math.inf
 
@@ -307,8 +315,8 @@ def test_two_plane_codes_decode_like_unpacked(bits, symmetric):
     x = torch.randn(2, 3, 5, 32, generator=torch.Generator().manual_seed(bits))
     scale, zero = compute_scale_zero(x, spec)
     codes = quantize(x, scale, zero, spec)
-    assert codes.shape[-1] == spec.packed_dim(32) == 32 * bits // 8
-    expected = unpack_bits(codes, bits).float() - (2 ** (bits - 1) if symmetric else 0)
+    assert codes.data.shape[-1] == spec.packed_dim(32) == 32 * bits // 8
+    expected = unpack_bits(codes.data, bits).float() - (2 ** (bits - 1) if symmetric else 0)
     assert torch.equal(decode_codes(codes, spec), expected)
 
 
@@ -461,9 +469,9 @@ def test_metadata_rounding_never_clips(fmt, symmetric, granularity, scale_dtype)
         # of max - zero that the scale is computed from: ~1 ulp, far below the half step that rounding absorbs)
         assert (z <= xd).all() and (z + spec.qmax * s >= xd - 1e-6 * (xd - z)).all()
     if spec.is_float:
-        assert (codes.float().abs() <= spec.qmax).all()
+        assert (codes.data.float().abs() <= spec.qmax).all()
     else:
-        c = int_codes(codes, spec, 16)
+        c = int_codes(codes, spec)
         lo = -spec.qmax if symmetric else 0
         assert c.min() >= lo and c.max() <= spec.qmax
 
@@ -483,7 +491,8 @@ def spec_and_shape(draw):
     block = draw(st.sampled_from([1, 2, 4, 8]))
     shape = (draw(st.integers(1, 3)), draw(st.integers(1, 3)), block * draw(st.integers(1, 3)), head_dim)
     scale_dtype = draw(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]))
-    spec = QuantSpec(fmt, granularity, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype)
+    spec = QuantSpec(fmt, granularity, group_size=group_size, symmetric=symmetric, scale_dtype=scale_dtype,
+                     block_size=block)
     return spec, shape, block
 
 
@@ -498,8 +507,8 @@ def test_property_shapes_dtypes_finite(case, seed, magnitude, out_dtype):
     spec, shape, block = case
     b, h, t, d = shape
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * magnitude
-    tg, cg = spec.groups(d, block)
-    scale, zero = compute_scale_zero(x, spec, block)
+    tg, cg = spec.groups(d)
+    scale, zero = compute_scale_zero(x, spec)
     assert scale.shape == (b, h, t // tg, d // cg) and scale.dtype == spec.scale_dtype
     assert (scale > 0).all() and torch.isfinite(scale).all()
     if spec.symmetric:
@@ -508,10 +517,10 @@ def test_property_shapes_dtypes_finite(case, seed, magnitude, out_dtype):
         assert zero.shape == scale.shape and zero.dtype == spec.scale_dtype and torch.isfinite(zero).all()
     if spec.granularity == "tensor":  # one scale for all heads (and channels) of a block
         assert (scale == scale[:, :1]).all()
-    codes = quantize(x, scale, zero, spec, block)
-    assert codes.dtype == spec.code_dtype
-    assert codes.shape == (b, h, t, spec.packed_dim(d)) == (b, h, t, d * spec.bits // 8)
-    deq = dequantize(codes, scale, zero, spec, block, dtype=out_dtype)
+    codes = quantize(x, scale, zero, spec)
+    assert codes.data.dtype == spec.code_dtype
+    assert codes.data.shape == (b, h, t, spec.packed_dim(d)) == (b, h, t, d * spec.bits // 8)
+    deq = dequantize(codes, scale, zero, spec, dtype=out_dtype)
     assert deq.shape == x.shape and deq.dtype == out_dtype
     assert torch.isfinite(deq).all()
 
@@ -534,7 +543,7 @@ def test_property_arbitrary_values_decode_finite(case, values, seed):
     assert (scale > 0).all() and torch.isfinite(scale).all()
     assert zero is None or torch.isfinite(zero).all()
     if spec.is_float:
-        assert not torch.isnan(codes.float()).any()
+        assert not torch.isnan(codes.data.float()).any()
     assert torch.isfinite(deq).all()
 
 
@@ -617,17 +626,17 @@ def test_extreme_magnitudes_stay_finite(fmt, symmetric, granularity, scale_dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt,symmetric,granularity", ALL_SPECS, ids=ALL_SPEC_IDS)
 def test_dequantize_into_buffer_slice(fmt, symmetric, granularity, dtype):
-    spec = make_spec(fmt, symmetric, granularity, group_size=8)
+    spec = make_spec(fmt, symmetric, granularity, group_size=8, block_size=4)
     b, h, t, d = 2, 3, 8, 16
     x = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(11))
-    scale, zero = compute_scale_zero(x, spec, 4)
-    codes = quantize(x, scale, zero, spec, 4)
-    expected = dequantize(codes, scale, zero, spec, 4, dtype=dtype)
+    scale, zero = compute_scale_zero(x, spec)
+    codes = quantize(x, scale, zero, spec)
+    expected = dequantize(codes, scale, zero, spec, dtype=dtype)
     buf = torch.full((b, h, t + 12, d), -123.0, dtype=dtype)
     before = buf.clone()
     out = buf[:, :, 5 : 5 + t]
     assert not out.is_contiguous()
-    res = dequantize(codes, scale, zero, spec, 4, dtype=dtype, out=out)
+    res = dequantize(codes, scale, zero, spec, dtype=dtype, out=out)
     assert res is out
     assert torch.equal(buf[:, :, 5 : 5 + t], expected)
     assert torch.equal(buf[:, :, :5], before[:, :, :5])
@@ -650,7 +659,7 @@ def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
     spec = QuantSpec(fmt, granularity, group_size=group, symmetric=symmetric)
     x = torch.randn(2, 3, 16, d, generator=torch.Generator().manual_seed(5)) * 3
     scale, zero, codes, deq = roundtrip(x, spec, block_size=8)
-    ref = int_codes(codes, spec, 8).double() * expand(scale, spec, d, 8)
+    ref = int_codes(codes, spec).double() * expand(scale, spec, d, 8)
     if zero is not None:
         ref = ref + expand(zero, spec, d, 8)
     assert torch.equal(deq, ref.float())
@@ -673,8 +682,10 @@ def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
          r"'fp8_e4m3' is symmetric only; got symmetric=False"),
         (dict(fmt="fp8_e5m2", granularity="token", group_size=32, symmetric=False),
          r"'fp8_e5m2' is symmetric only"),
+        (dict(fmt="int8", granularity="channel", block_size=0), r"block_size must be an int >= 1, got 0"),
     ],
-    ids=["unknown-fmt", "unknown-granularity", "token-no-group", "token-group-0", "asym-e4m3", "asym-e5m2"],
+    ids=["unknown-fmt", "unknown-granularity", "token-no-group", "token-group-0", "asym-e4m3", "asym-e5m2",
+         "block-0"],
 )
 def test_quantspec_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -686,7 +697,7 @@ def test_group_size_must_divide_head_dim(call):
     spec = QuantSpec("int4", "token", group_size=48)
     with pytest.raises(ValueError, match=r"group_size=48 does not divide head_dim=128"):
         if call == "groups":
-            spec.groups(128, 1)
+            spec.groups(128)
         else:
             compute_scale_zero(torch.zeros(1, 1, 2, 128), spec)
 
@@ -710,9 +721,9 @@ SPEC_PROPERTIES = [
 def test_spec_properties(fmt, symmetric, qmax, code_dtype):
     spec = QuantSpec(fmt, "channel", symmetric=symmetric)
     assert spec.qmax == qmax and spec.code_dtype == code_dtype
-    assert spec.groups(128, 32) == (32, 1)
-    assert QuantSpec(fmt, "tensor", symmetric=symmetric).groups(128, 32) == (32, 128)
-    assert QuantSpec(fmt, "token", group_size=64, symmetric=symmetric).groups(128, 32) == (1, 64)
+    assert blocked(spec, 32).groups(128) == (32, 1)
+    assert QuantSpec(fmt, "tensor", symmetric=symmetric, block_size=32).groups(128) == (32, 128)
+    assert QuantSpec(fmt, "token", group_size=64, symmetric=symmetric, block_size=32).groups(128) == (1, 64)
 
 
 # Token packing: sub-byte codes of whole blocks are packed along the token axis (pack_codes / unpack_codes)
@@ -723,10 +734,10 @@ def test_pack_codes_roundtrip_every_width_and_block(bits, block):
     gen = torch.Generator().manual_seed(bits * 100 + block)
     codes = torch.randint(0, 2**bits, (2, 3, 4 * block, 16), generator=gen, dtype=torch.uint8)
     packed = pack_codes(codes, bits, block)
-    assert packed.shape == (2, 3, 4 * block, 16 * bits // 8) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_codes(packed, bits, block), codes)
+    assert packed.data.shape == (2, 3, 4 * block, 16 * bits // 8) and packed.data.dtype == torch.uint8
+    assert torch.equal(unpack_codes(packed), codes)
     if not packs_tokens(bits, block):  # the head_dim layout of pack_bits
-        assert torch.equal(packed, pack_bits(codes, bits))
+        assert torch.equal(packed.data, pack_bits(codes, bits))
 
 
 def test_packs_tokens_rule():
@@ -738,11 +749,11 @@ def test_packs_tokens_rule():
 def test_pack_codes_token_layout_by_hand():
     # 4-bit, block of 2 tokens, 2 channels: byte row 0 holds token 0 (low nibble) and token 1 (high nibble)
     codes = torch.tensor([[1, 2], [3, 4]], dtype=torch.uint8).view(1, 1, 2, 2)
-    packed = pack_codes(codes, 4, 2)
+    packed = pack_codes(codes, 4, 2).data
     assert packed.view(-1).tolist() == [1 | 3 << 4, 2 | 4 << 4]
     # 3-bit, block of 8 tokens, 8 channels: rows 0-1 hold the low 2 bits (4 tokens per byte), row 2 the high bit
     codes = torch.arange(64, dtype=torch.uint8).view(1, 1, 8, 8) % 8
-    packed = pack_codes(codes, 3, 8).view(3, 8)
+    packed = pack_codes(codes, 3, 8).data.view(3, 8)
     low, high = codes[0, 0] & 3, codes[0, 0] >> 2
     for i in range(2):
         assert packed[i].tolist() == (low[i] | low[i + 2] << 2 | low[i + 4] << 4 | low[i + 6] << 6).tolist()
@@ -753,15 +764,15 @@ def test_pack_codes_token_layout_by_hand():
 @pytest.mark.parametrize("granularity", ["channel", "token"])
 def test_decode_block_aligned_slice_of_a_buffer(fmt, granularity):
     """What the store reads: a block-aligned token slice of a larger buffer (not contiguous over heads)."""
-    spec = make_spec(fmt, False, granularity, group_size=16)
     block = 8
+    spec = make_spec(fmt, False, granularity, group_size=16, block_size=block)
     x = torch.randn(2, 3, 6 * block, 16, generator=torch.Generator().manual_seed(1))
     scale, zero, codes, deq = roundtrip(x, spec, block_size=block)
-    buffer = torch.zeros(2, 3, 9 * block, codes.shape[-1], dtype=torch.uint8)
-    buffer[:, :, : 6 * block] = codes
-    tg = spec.groups(16, block)[0]
+    buffer = torch.zeros(2, 3, 9 * block, codes.data.shape[-1], dtype=torch.uint8)
+    buffer[:, :, : 6 * block] = codes.data
+    tg = spec.groups(16)[0]
     for start, stop in [(0, 6 * block), (block, 3 * block), (5 * block, 6 * block)]:
-        part = buffer[:, :, start:stop]
+        part = codes.with_data(buffer).token_slice(start, stop)
         z = None if zero is None else zero[:, :, start // tg : stop // tg]
-        got = dequantize(part, scale[:, :, start // tg : stop // tg], z, spec, block)
+        got = dequantize(part, scale[:, :, start // tg : stop // tg], z, spec)
         assert torch.equal(got, deq[:, :, start:stop])

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 import hf_asymkv.core.scales as scales_mod
-from hf_asymkv.core.scales import FORMAT_NAME, FORMAT_VERSION, FP8_E4M3_MAX, KVScales, config_fingerprint
+from hf_asymkv.core.scales import FP8_E4M3_MAX, SCALES_FORMAT, SCALES_FORMAT_VERSION, KVScales, config_fingerprint
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 PREFIX = "model.layers.{}.self_attn."
@@ -53,7 +53,7 @@ def test_round_trip_keeps_tensors_and_metadata(tmp_path):
             assert torch.equal(loaded.k_channel_absmax[i], scales.k_channel_absmax[i])
             assert torch.equal(loaded.v_head_absmax[i], scales.v_head_absmax[i])
         assert {k: loaded.metadata[k] for k in scales.metadata} == scales.metadata
-        assert loaded.metadata["format"] == FORMAT_NAME and loaded.metadata["format_version"] == FORMAT_VERSION
+        assert loaded.metadata["format"] == SCALES_FORMAT and loaded.metadata["format_version"] == SCALES_FORMAT_VERSION
         assert loaded.fingerprint == config_fingerprint(llama_config())
 
 
@@ -74,13 +74,13 @@ def test_file_layout_has_vllm_scalars(good):
         assert tensors[p + "k_channel_absmax"].shape == (HEADS, HEAD_DIM)
         assert tensors[p + "v_head_absmax"].shape == (HEADS,)
     assert all(isinstance(v, str) for v in meta.values())
-    assert meta["format"] == FORMAT_NAME
+    assert meta["format"] == SCALES_FORMAT
 
 
 def test_metadata_cannot_override_the_format_stamp(tmp_path):
     scales = make_scales(format="something-else", format_version="0")
     _, meta = read_raw(scales.save(tmp_path / "kv.safetensors"))
-    assert meta["format"] == FORMAT_NAME and meta["format_version"] == FORMAT_VERSION
+    assert meta["format"] == SCALES_FORMAT and meta["format_version"] == SCALES_FORMAT_VERSION
 
 
 def test_loaded_scales_save_again_identically(good, tmp_path):

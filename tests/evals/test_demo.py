@@ -1,34 +1,74 @@
-"""The demo's numbers: KV bytes in the model's dtype beside the bf16 figure, named as such; decode ms/token
-as the median of timed steps after warm-up, or nothing."""
+"""The demo's numbers: KV bytes in the model's dtype beside the bf16 figure, named as such; decode ms/token only
+when asked for, over interleaved runs (median of each run's timed steps after warm-up), or nothing."""
 
 import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import BatchEncoding, DynamicCache
 
+import hf_asymkv.evals.demo as demo
 from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.bench.memory import cache_nbytes
-from hf_asymkv.evals.demo import WARMUP_STEPS, DemoRow, StepClock, bf16_bytes, format_demo
+from hf_asymkv.evals.demo import WARMUP_STEPS, DemoRow, StepClock, bf16_bytes, format_demo, run_demo
 
 INFO = {"prompt_tokens": 3112, "expected": "3471", "depth": 0.35, "key": "glass door", "dtype": "float32"}
 
 
-def _rows():
-    return [DemoRow("DynamicCache", "The code is 3471.", True, 4 * 2**20, 2 * 2**20, 12.0, 9),
-            DemoRow("AsymKVCache", "The code is 3471.", True, 2**20, 2**19 + 2**18, None, 1)]
+def _rows(timed: bool = True):
+    return [DemoRow("DynamicCache", "The code is 3471.", True, 4 * 2**20, 2 * 2**20, [12.0, 14.0, 11.0] if timed else []),
+            DemoRow("AsymKVCache", "The code is 3471.", True, 2**20, 2**19 + 2**18)]
 
 
 def test_format_demo_shows_model_dtype_and_bf16_side_by_side():
-    text = format_demo(_rows(), INFO)
+    text = format_demo(_rows(), {**INFO, "timing_runs": 3})
     assert "3112 tokens" in text and "(3471) sits 35% into the document" in text
     header = text.splitlines()[1]
-    assert "KV MiB float32" in header and "KV MiB bf16" in header and "decode ms/token" in header
+    assert "KV MiB float32" in header and "KV MiB bf16" in header and "decode ms/token (range)" in header
     ours = next(line for line in text.splitlines() if line.startswith("AsymKVCache")).split()
     assert ours[1:5] == ["1.00", "4.00", "0.75", "2.67"]  # fp32 MiB, x smaller; bf16 MiB, x smaller
     assert ours[5] == "n/a" and "yes" in ours and "3471." in ours  # too few steps: no timing
-    assert "12.0" in next(line for line in text.splitlines() if line.startswith("DynamicCache"))
-    assert f"after {WARMUP_STEPS} warm-up steps" in text and "the README's comparison" in text
+    assert "12.0 (11.0-14.0)" in next(line for line in text.splitlines() if line.startswith("DynamicCache"))
+    assert f"median over 3 interleaved runs of each run's median step after {WARMUP_STEPS} warm-up steps" in text
+    assert "the README's comparison" in text
+
+
+def test_format_demo_without_timing_prints_no_speed_figure():
+    text = format_demo(_rows(timed=False), INFO)
+    assert "ms/token" not in text.splitlines()[1] and "Decode speed is not shown" in text
+
+
+class _FakeTokenizer:
+    def apply_chat_template(self, messages, **kwargs):
+        return BatchEncoding({"input_ids": torch.ones(1, 5, dtype=torch.long)})
+
+    def decode(self, ids, **kwargs):
+        return "3471"
+
+
+class _FakeModel:
+    """Records which cache each generate call got; stamps 1 prompt + 10 tokens, 1 ms apart."""
+
+    dtype = torch.float32
+
+    def __init__(self, config):
+        self.config, self.calls, self.device = config, [], torch.device("cpu")
+
+    def generate(self, input_ids, streamer, max_new_tokens, **kwargs):
+        self.calls.append(type(next(v for v in kwargs.values() if hasattr(v, "get_seq_length"))).__name__)
+        streamer.stamps = [0.001 * k for k in range(11)]
+        return torch.cat([input_ids, torch.ones(1, 10, dtype=torch.long)], dim=1)
+
+
+@pytest.mark.parametrize("runs, calls", [(0, 2), (3, 6)], ids=["untimed", "three-runs"])
+def test_timing_runs_are_interleaved(llama, monkeypatch, runs, calls):
+    model = _FakeModel(llama.config)
+    monkeypatch.setattr(demo, "make_needle_prompt", lambda *a: type("P", (), {"messages": [], "answer": "3471",
+                                                                              "key": "door"})())
+    rows, info = run_demo(model, _FakeTokenizer(), timing_runs=runs)
+    assert model.calls == ["DynamicCache", "AsymKVCache"] * (calls // 2)
+    assert [len(r.run_ms) for r in rows] == [runs, runs] and info["timing_runs"] == runs
+    assert all(r.correct for r in rows)
 
 
 def test_format_demo_on_a_bf16_model_shows_one_set():

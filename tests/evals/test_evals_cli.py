@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import _build, hybrid_config, llama_config
-from helpers import char_tokenizer
+from helpers import char_tokenizer, cli_exit_code
 from transformers import Gemma3ForCausalLM, LlamaForCausalLM
 
 from hf_asymkv.cli import main
@@ -36,16 +36,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def exit_code(command, *args, **kwargs) -> int:
-    """The exit code of a CLI call, whether ``main`` returned it or argparse exited with it."""
-    try:
-        return command(*args, **kwargs)
-    except SystemExit as exc:
-        return exc.code
-
-
 def needle(models, out: Path, *extra: str, model: str = "llama") -> int:
-    return main(["eval", "needle", "--model", str(models[model]), "--lengths", "600,800", "--depths", "0.2,0.8",
+    return cli_exit_code(["eval", "needle", "--model", str(models[model]), "--lengths", "600,800", "--depths", "0.2,0.8",
                  "--tasks", "single,multikey", "--schemes", "asymkv,k4v4-sym", "--quiet", "--out", str(out), *extra])
 
 
@@ -102,11 +94,13 @@ def test_attention_ppl_and_report(models, tmp_path, capsys):
     (["--depths", "0.5,1.5"], "argument --depths: must be in [0, 1], got [1.5]"),
     (["--lengths", "600,4096"], "--lengths: 4096 tokens exceed the model's max_position_embeddings (1024)"),
     (["--tasks", "single,needle"], "argument --tasks: unknown task(s) ['needle']; known tasks: single, multikey"),
-    (["--haystack", "text", "--haystack-file", "/nonexistent/book.txt"], "does not exist"),
-    (["--haystack-file", "/nonexistent/book.txt"], "add --haystack text (got --haystack noise)"),
+    (["--haystack", "text", "--haystack-file", "/nonexistent/book.txt"],
+     "--haystack-file: no such file or folder: '/nonexistent/book.txt'"),
+    (["--haystack-file", "{text}"], "add --haystack text (got --haystack noise)"),
 ], ids=["scheme", "depth", "length", "task", "missing-file", "file-without-text"])
 def test_needle_bad_input_exits_2(models, tmp_path, capsys, extra, message):
-    assert exit_code(needle, models, tmp_path / "out", *extra) == 2
+    extra = [e.format(text=models["text"]) for e in extra]
+    assert needle(models, tmp_path / "out", *extra) == 2
     err = capsys.readouterr().err
     assert "error: " in err and message in err
     assert not (tmp_path / "out").exists()
@@ -119,7 +113,7 @@ def test_ppl_and_attention_bad_input_exit_2(models, tmp_path, capsys):
     assert main(["eval", "attention", *model, "--length", "600", "--queries", "400"]) == 2
     assert "--queries must be in [1, 300], got 400" in capsys.readouterr().err
     assert main(["eval", "report", str(tmp_path)]) == 2
-    assert "holds no needle.json, attention.json or ppl.json" in capsys.readouterr().err
+    assert "holds no needle.json, attention.json, ppl.json or frontier.json" in capsys.readouterr().err
 
 
 def test_missing_matplotlib_is_named_before_the_run(models, tmp_path, capsys, monkeypatch):

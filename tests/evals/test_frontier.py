@@ -160,3 +160,64 @@ def test_text_file_without_ppl_is_refused(tiny, tmp_path, capsys):
                  "--quiet", "--out", str(tmp_path / "run")]) == 2
     assert "--ppl-length 0 measures no perplexity" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_stopped_midway_leaves_what_it_measured(tiny, tmp_path, monkeypatch):
+    """Killed on the second of two needle prompts: frontier.json/.md hold the bytes, attention KL, Δppl and the
+    first prompt's answers, marked partial; the timeline says when each unit ended."""
+    import hf_asymkv.evals.frontier as frontier
+
+    answered = []
+
+    def answer_then_stop(*args, **kwargs):
+        if answered:
+            raise KeyboardInterrupt
+        answered.append(1)
+        return real(*args, **kwargs)
+
+    real = frontier.answer_prompt
+    monkeypatch.setattr(frontier, "answer_prompt", answer_then_stop)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        main(["eval", "frontier", "--model", str(tiny), "--lengths", "600", "--depths", "0.2,0.8", "--tasks", "single",
+              "--attention-length", "600", "--ppl-length", "400", "--schemes", "asymkv,kivi-2", "--quiet",
+              "--out", str(out)])
+    data = json.loads((out / "frontier.json").read_text())
+    status = "attention prompts 1 of 1, ppl windows 1 of 1, needle prompts 1 of 2"
+    assert data["meta"]["status"] == status
+    assert [step for step, _ in data["meta"]["timeline"]] == [
+        "attention prompts 0 of 1, ppl windows 0 of 1, needle prompts 0 of 2",
+        "attention prompts 1 of 1, ppl windows 0 of 1, needle prompts 0 of 2",
+        "attention prompts 1 of 1, ppl windows 1 of 1, needle prompts 0 of 2", status]
+    rows = {r["scheme"]: r for r in data["rows"]}
+    assert list(rows) == ["dynamic", "asymkv", "kivi-2"]
+    assert all(math.isfinite(r[k]) for r in rows.values() for k in ("attention_kl", "delta_ppl_pct", "tail_kl"))
+    assert rows["dynamic"]["needle_accuracy"] in (0.0, 1.0)  # one prompt answered
+    md = (out / "frontier.md").read_text()
+    assert f"**Partial results**: the run stopped or is still running; measured so far: {status}." in md
+    assert not (out / "frontier.png").exists()  # the figure comes with the complete run
+
+
+def test_partial_rows_before_any_needle_prompt_show_no_needle_figures():
+    from hf_asymkv.evals.frontier import FrontierProgress, frontier_markdown
+
+    state = FrontierProgress(["dynamic", "asymkv", "kivi-2"], {"dynamic": 400, "asymkv": 100, "kivi-2": 200},
+                             {"attention prompts": [0, 0], "ppl windows": [0, 1], "needle prompts": [0, 6]})
+    rows = state.rows()
+    assert rows[1].x_smaller == 4.0 and math.isnan(rows[1].needle_accuracy) and not state.complete
+    assert "| asymkv | ours | 100 | 4.00 | - | - | - | - | - | - |" in frontier_markdown(rows, 6)
+    assert state.status() == "ppl windows 0 of 1, needle prompts 0 of 6"
+    check = pareto_check(rows)[0]  # nothing measured yet: no metric to compare, so no pass
+    assert check["metrics"] == {} and not check["passed"]
+    assert "| kivi-2 | 2.00 | FAIL | - | nothing measured yet |" in pareto_markdown([check])
+
+
+def test_one_prompt_is_singular_and_an_unreachable_peer_says_so():
+    from hf_asymkv.evals.frontier import frontier_markdown
+
+    rows = [_row("dynamic", "reference", 1, 0, 0), _row("ours", "ours", 2.0, 0, 0.01),
+            _row("tiny-peer", "peer", 6.4, 5, 3.1)]
+    assert "(1 needle prompt)" in frontier_markdown(rows, 1)
+    text = pareto_markdown(pareto_check(rows))
+    assert "| tiny-peer | 6.40 | FAIL | - | no setting of ours reaches this compression |" in text
+    assert "WORSE" not in text and "vs -" not in text

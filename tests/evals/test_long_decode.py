@@ -141,7 +141,7 @@ def test_long_decode_on_a_hybrid_model_lists_what_transformers_cannot_run(models
 @pytest.mark.parametrize(("extra", "message"), [
     (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
     (["--prompt-length", "1000", "--steps", "100"], "--prompt-length + --steps: 1100 tokens exceed"),
-    (["--text-file", "/nonexistent/book.txt"], "does not exist"),
+    (["--text-file", "/nonexistent/book.txt"], "--text-file: no such file or folder: '/nonexistent/book.txt'"),
 ], ids=["steps", "too-long", "missing-text"])
 def test_long_decode_bad_input_exits_2_before_any_work(models, tmp_path, capsys, extra, message):
     try:
@@ -153,6 +153,8 @@ def test_long_decode_bad_input_exits_2_before_any_work(models, tmp_path, capsys,
 
 
 def test_frontier_long_decode_columns(models, tmp_path):
+    from hf_asymkv.evals.frontier_plot import frontier_title
+
     out = tmp_path / "run"
     assert main(["eval", "frontier", "--model", str(models["llama"]), "--lengths", "600", "--depths", "0.5",
                  "--tasks", "single", "--attention-length", "0", "--ppl-length", "0", "--decode-steps", "20",
@@ -164,6 +166,10 @@ def test_frontier_long_decode_columns(models, tmp_path):
     assert rows["kivi-2"]["decode_kl"] == 0  # 120 tokens: all inside KIVI's 128-token exact window
     assert "decode KL" in data["pareto"][0]["metrics"] and data["meta"]["decode_steps"] == 20
     assert "| decode KL, last 64 | greedy agreement |" in (out / "frontier.md").read_text()
+    assert [step for step, _ in data["meta"]["timeline"]] == [  # one unit of the run's progress, before the needle
+        "long-decode prompts 0 of 1, needle prompts 0 of 1", "long-decode prompts 1 of 1, needle prompts 0 of 1",
+        "long-decode prompts 1 of 1, needle prompts 1 of 1"]
+    assert "long decode: 20 tokens after 100" in frontier_title(data["meta"])  # and the figure says it
 
 
 def test_frontier_decode_steps_refused_at_parse_time(models, capsys):

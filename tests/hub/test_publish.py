@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import huggingface_hub
@@ -12,11 +13,11 @@ import pytest
 import torch
 import yaml
 from conftest import llama_config
-from helpers import greedy_with_logits
+from helpers import cli_exit_code, greedy_with_logits
 
 import hf_asymkv.hub.model_card as model_card_mod
 import hf_asymkv.hub.publish as publish_mod
-from hf_asymkv import AsymKVCache
+from hf_asymkv import PRESETS, AsymKVCache
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.cli import main
 from hf_asymkv.core.pretrained import CONFIG_FILE, SCALES_FILE, load_published
@@ -479,15 +480,31 @@ def test_cli_publish_and_push(hub, model_dir, scales_file, tmp_path, capsys):
     assert hub.calls[1][1]["private"] is True and hub.calls[2][1]["repo_id"] == REPO
 
 
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_cli_publishes_every_preset(model_dir, scales_file, tmp_path, name):
+    """3/5/6-bit values and int3 keys included; a preset with asymmetric keys is published with symmetric ones
+    (--key-symmetric), which is what calibrated ranges serve."""
+    preset = PRESETS[name]
+    out = tmp_path / name
+    extra = [] if preset.key_symmetric else ["--key-symmetric"]
+    assert cli_exit_code(["publish", "--model", str(model_dir), "--scales", str(scales_file), "--out", str(out),
+                          "--preset", name, *extra]) == 0
+    _, cache_config = load_published(out, llama_config())
+    assert cache_config == preset.replace(key_symmetric=True)
+
+
 @pytest.mark.parametrize("case, message", [
-    ("missing-scales", "--scales: file .* does not exist"),
-    ("wrong-model", "fingerprint mismatch"),
-    ("non-empty-out", "exists and is not empty"),
-    ("bad-repo", "--push-to-hub: invalid Hub repo id"),
-    ("bad-eval", "eval results .* does not exist"),
-    ("bad-setting", "value_bits must be one of|residual_length must be an int"),
-    ("no-model", "cannot load the config of model"),
-], ids=["missing-scales", "wrong-model", "non-empty-out", "bad-repo", "bad-eval", "bad-setting", "no-model"])
+    ("missing-scales", "error: --scales: no such file or folder: '.*nope.safetensors'"),
+    ("wrong-model", "error: .*fingerprint mismatch"),
+    ("non-empty-out", "error: .*exists and is not empty"),
+    ("bad-repo", "argument --push-to-hub: invalid Hub repo id"),
+    ("bad-eval", "error: --eval-results: no such file or folder: '.*nothing'"),
+    ("bad-setting", "argument --residual-length: must be >= 0, got -1"),
+    ("bad-value-bits", "argument --value-bits: invalid choice: 7 \\(choose from 2, 3, 4, 5, 6, 8\\)"),
+    ("asymmetric-preset", "error: .*calibrated key ranges are symmetric per-channel scales"),
+    ("no-model", "argument --model: model '.*no-model-here': no such folder"),
+], ids=["missing-scales", "wrong-model", "non-empty-out", "bad-repo", "bad-eval", "bad-setting", "bad-value-bits",
+        "asymmetric-preset", "no-model"])
 def test_cli_publish_bad_input_exits_2(hub, model_dir, scales, scales_file, tmp_path, capsys, case, message):
     out = tmp_path / "cli-pub"
     argv = ["publish", "--model", str(model_dir), "--scales", str(scales_file), "--out", str(out)]
@@ -504,11 +521,15 @@ def test_cli_publish_bad_input_exits_2(hub, model_dir, scales, scales_file, tmp_
         argv += ["--eval-results", str(tmp_path / "nothing")]
     elif case == "bad-setting":
         argv += ["--residual-length", "-1"]
+    elif case == "bad-value-bits":
+        argv += ["--value-bits", "7"]
+    elif case == "asymmetric-preset":
+        argv += ["--preset", "tight"]
     elif case == "no-model":
         argv[2] = str(tmp_path / "no-model-here")
-    assert main(argv) == 2
+    assert cli_exit_code(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and __import__("re").search(message, err), err
+    assert re.search(message, err) and "Traceback" not in err, err
     assert not out.exists() or case == "non-empty-out"
     assert hub.calls == []
 
@@ -529,3 +550,12 @@ def test_cli_help(command, capsys):
         main([command, "--help"])
     assert info.value.code == 0
     assert "usage: hf-asymkv " + command in capsys.readouterr().out
+
+
+def test_published_layer_overrides_round_trip(llama, model_dir, scales_file, tmp_path):
+    """Per-layer overrides (issue 22) are saved in asymkv_config.json and read back by from_pretrained."""
+    overrides = {0: {"key_format": "int8", "value_bits": 8}, -1: {"residual_length": 16}}
+    folder = publish(str(model_dir), scales_file, tmp_path / "pub", settings={**SMALL, "layer_overrides": overrides})
+    cache = AsymKVCache.from_pretrained(folder, llama.config)
+    assert cache.cache_config.overrides() == overrides
+    assert cache.layers[0].value_spec.bits == 8 and cache.layers[1].residual_length == 16

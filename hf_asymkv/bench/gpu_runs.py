@@ -1,0 +1,211 @@
+"""What ``scripts/gpu_check.py`` measures on a GPU: whole-model decode per cache scheme, the attention kernel alone
+against SDPA over bf16 K/V, and the kernel's agreement with the torch fused attention.
+
+The model is a random-weight ``LlamaForCausalLM`` with Llama-3-8B's attention and MLP shapes and a few layers
+(nothing is downloaded). Times come from CUDA events around whole loops; on CPU (``--dry-run``, the kernels under
+Triton's interpreter) from ``time.perf_counter``, and mean nothing there but that the code runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..core.cache import AsymKVCache
+from ..core.compat import cache_kwargs
+from ..kernels.backend import ENV_VAR
+from .memory import cache_nbytes
+from .schemes import make_cache, scheme_attention
+
+__all__ = ["DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
+           "attention_backend_env", "build_model", "decode_row", "timed_seconds", "weight_bytes"]
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+
+LLAMA3_8B = ModelShapes(layers=4, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256)
+"""Llama-3-8B's shapes with 4 of its 32 layers (the bytes per layer, weights and KV, are the real ones)."""
+DRY_SHAPES = ModelShapes(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=256)
+
+
+class SchemeUnavailable(RuntimeError):
+    """A scheme that cannot run here (a missing package, a feature not built yet): reported, not fatal."""
+
+
+def build_model(shapes: ModelShapes, dtype: torch.dtype, device: torch.device):
+    """Random-weight ``LlamaForCausalLM`` of ``shapes``, built on ``device`` in ``dtype`` (eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=shapes.layers, hidden_size=shapes.hidden, num_attention_heads=shapes.heads,
+                         num_key_value_heads=shapes.kv_heads, head_dim=shapes.head_dim,
+                         intermediate_size=shapes.intermediate, vocab_size=shapes.vocab, max_position_embeddings=262144,
+                         rope_theta=500000.0, tie_word_embeddings=False)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads: every parameter but the input embedding table (one row per token)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+
+
+# ------------------------------------------------------------------------------------------------ schemes
+@dataclass(frozen=True)
+class GPUScheme:
+    """A cache and the attention it runs with. ``bench_scheme`` names the cache in :mod:`.schemes`; ``backend``
+    is ``HF_ASYMKV_ATTENTION_BACKEND`` while it runs; ``needs`` a module that must be importable."""
+
+    label: str
+    bench_scheme: str | None
+    backend: str | None = None
+    needs: str | None = None
+    compiled: bool = False
+
+
+GPU_SCHEMES: dict[str, GPUScheme] = {
+    "dynamic": GPUScheme("DynamicCache + SDPA (bf16 K/V)", "dynamic"),
+    "hf-quanto-int4": GPUScheme("transformers QuantizedCache, quanto int4", "hf-quanto-int4", needs="optimum.quanto"),
+    "hf-hqq-int4": GPUScheme("transformers QuantizedCache, HQQ int4", None, needs="hqq"),
+    "balanced-dense": GPUScheme("ours, balanced, dense read-out + SDPA", "asymkv-balanced"),
+    "balanced-triton": GPUScheme("ours, balanced, Triton kernel over the codes", "asymkv-balanced-fused", "triton"),
+    "compact-triton": GPUScheme("ours, compact, Triton kernel over the codes", "asymkv-compact-fused", "triton"),
+    "max-triton": GPUScheme("ours, max, Triton kernel over the codes", "asymkv-max-fused", "triton"),
+    # issue 20: a preallocated AsymKVCache(max_cache_len=...) under torch.compile; skipped until it exists
+    "balanced-static-compiled": GPUScheme("ours, balanced, static cache, torch.compile", None, compiled=True),
+}
+
+
+@contextlib.contextmanager
+def attention_backend_env(value: str | None) -> Iterator[None]:
+    """``HF_ASYMKV_ATTENTION_BACKEND=value`` inside the block (unchanged for None), restored after."""
+    before = os.environ.get(ENV_VAR)
+    if value is not None:
+        os.environ[ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
+def _make_cache(name: str, model, max_tokens: int):
+    scheme = GPU_SCHEMES[name]
+    if scheme.needs and not _importable(scheme.needs):
+        raise SchemeUnavailable(f"{scheme.needs} is not installed")
+    if name == "hf-hqq-int4":
+        from transformers.cache_utils import QuantizedCache
+
+        return QuantizedCache("hqq", model.config, nbits=4)
+    if scheme.compiled:
+        try:
+            return AsymKVCache.from_preset("balanced", model.config, max_cache_len=max_tokens)
+        except (TypeError, ValueError):
+            raise SchemeUnavailable("no static AsymKVCache(max_cache_len=...) here yet (issue 20)") from None
+    return make_cache(scheme.bench_scheme, model.config)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_seconds(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """``(seconds, fn())``: wall time on CPU, CUDA events (device time, queue drained) on a GPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _synchronize(device)
+    begin.record()
+    result = fn()
+    end.record()
+    _synchronize(device)
+    return begin.elapsed_time(end) / 1e3, result
+
+
+@dataclass
+class DecodeRow:
+    scheme: str
+    batch: int
+    context: int
+    status: str = "ok"  # or why it was skipped / failed
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0  # per step (one token per sequence)
+    kv_bytes: int = 0
+    peak_gib: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: int, seed: int = 0) -> DecodeRow:
+    """Prefill ``batch`` random prompts of ``context`` tokens into scheme ``name``'s cache, then time ``steps``
+    greedy decode steps after ``warmup`` untimed ones (kernel compilation, first allocations)."""
+    device = model.device
+    row = DecodeRow(name, batch, context)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
+                        generator=torch.Generator(device).manual_seed(seed))
+    scheme = GPU_SCHEMES[name]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend):
+            cache = _make_cache(name, model, context + warmup + steps + 1)
+            forward = torch.compile(model.forward, fullgraph=True, dynamic=False) if scheme.compiled else model
+            prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),
+                                           device)
+            token = out.logits[:, -1:].argmax(-1)
+
+            def step(n: int):
+                tok = token
+                for _ in range(n):
+                    tok = forward(input_ids=tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+                return tok
+
+            token = step(warmup)
+            decode_s, _ = timed_seconds(lambda: step(steps), device)
+    except SchemeUnavailable as exc:
+        row.status = f"skipped: {exc}"
+        return row
+    except torch.OutOfMemoryError:
+        row.status = "out of memory"
+        return row
+    except Exception as exc:  # one failing scheme must not cost the others' figures on a borrowed GPU
+        traceback.print_exc()
+        row.status = f"failed: {type(exc).__name__}: {str(exc)[:160]}"
+        return row
+    row.prefill_ms, row.decode_ms = prefill_s * 1e3, decode_s * 1e3 / steps
+    row.kv_bytes = cache_nbytes(cache)
+    row.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return row

@@ -1,0 +1,207 @@
+"""Decode attention over stored codes on a GPU (or CPU tensors under ``TRITON_INTERPRET=1``): the launcher.
+
+:func:`decode_attention` splits the key sequence (one quantized region, up to two exact segments) into runs of
+tiles, launches :func:`~hf_asymkv.kernels.triton_decode.partial_attention_kernel` once over all of them (one
+program per batch row, KV head and split) and :func:`~hf_asymkv.kernels.triton_decode.merge_partials_kernel`
+once to merge the splits: two launches per layer and step. Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton.language as tl
+
+from .regions import (
+    MAX_EXACT_SEGMENTS,
+    ExactSegment,
+    QuantizedRegion,
+    StoredCodes,
+    plane_sets,
+    tile_tokens,
+    unsupported,
+)
+from .triton_decode import (
+    FP8_E4M3,
+    FP8_E5M2,
+    INT8,
+    MASK_ADDITIVE,
+    MASK_BOOL,
+    MASK_CAUSAL,
+    MASK_NONE,
+    PACKED_HEAD_DIM,
+    PACKED_TOKENS,
+    merge_partials_kernel,
+    partial_attention_kernel,
+)
+
+__all__ = ["decode_attention", "launch_decode_attention"]
+
+PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
+INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None = None,
+                     exact: tuple[ExactSegment, ...] | list[ExactSegment] = (),
+                     attention_mask: torch.Tensor | None = None, kv_len: int | None = None,
+                     tiles_per_split: int | None = None) -> torch.Tensor:
+    """Softmax attention of ``query`` over a quantized region and exact segments; returns ``[B, q, Hq, D]``.
+
+    Args:
+        query: ``[B, Hq, q, D]`` (any strides), float16, bfloat16 or float32; ``Hq`` a multiple of the KV heads.
+        scaling: the softmax scale (``D ** -0.5`` for most models).
+        quantized: the quantized K/V (codes as stored), or None.
+        exact: at most :data:`~hf_asymkv.kernels.regions.MAX_EXACT_SEGMENTS` exact K/V segments (empty ones are
+            skipped).
+        attention_mask: ``[B|1, 1|Hq, q, kv_len]`` bool (True attends) or additive float; each region reads its
+            columns ``[start, start + n)`` unless it has its own ``mask``. None: causal, query token ``i`` sees
+            columns up to ``kv_len - q + i``.
+        kv_len: the key axis length (default: the end of the last region).
+        tiles_per_split: tiles one program reads (default: enough splits to fill the device).
+
+    Raises:
+        ValueError: a request the kernel cannot serve (:func:`~hf_asymkv.kernels.regions.unsupported` says what,
+            more than two exact segments included), or no key at all.
+    """
+    segments = tuple(seg for seg in exact if seg.tokens)
+    problem = unsupported(query, quantized, segments)
+    if problem is not None:
+        raise ValueError(f"the Triton decode attention cannot serve {problem}.")
+    return launch_decode_attention(query, scaling, quantized=quantized, exact=segments, attention_mask=attention_mask,
+                                   kv_len=kv_len, tiles_per_split=tiles_per_split)
+
+
+def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None,
+                            exact: tuple[ExactSegment, ...], attention_mask: torch.Tensor | None = None,
+                            kv_len: int | None = None, tiles_per_split: int | None = None) -> torch.Tensor:
+    """:func:`decode_attention` for a request :func:`~hf_asymkv.kernels.regions.unsupported` has passed already
+    (the core's glue checks once per call, to choose the backend): no second check on the decode step's path."""
+    segments = tuple(seg for seg in exact if seg.tokens)
+    quantized = quantized if quantized is not None and quantized.tokens else None
+    regions = ([quantized] if quantized is not None else []) + list(segments)
+    if not regions:
+        raise ValueError("decode_attention needs at least one key (the quantized region and segments are empty).")
+    b, hq, q_len, head_dim = query.shape
+    heads = (quantized.keys.codes if quantized is not None else segments[0].keys).shape[1]
+    rows = hq // heads * q_len
+    kv_len = max(r.start + r.tokens for r in regions) if kv_len is None else kv_len
+    tile = tile_tokens(quantized)
+    counts = [-(-r.tokens // tile) for r in regions]
+    if tiles_per_split is None:
+        tiles_per_split = max(1, -(-sum(counts) * b * heads // _target_programs(query.device)))
+    splits = [-(-c // tiles_per_split) for c in counts]
+    n_splits = sum(splits)
+    acc = torch.empty(b * heads, n_splits, rows, head_dim, dtype=torch.float32, device=query.device)
+    m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
+    d_pad, r_pad = _pow2(head_dim), _pow2(rows)
+    num_warps = 4 if d_pad * r_pad <= 4096 else 8
+    has_quant = quantized is not None
+    exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
+    exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
+    quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query)
+    partial_attention_kernel[(b * heads, n_splits)](
+        query, *query.stride(), acc, m, l_,
+        *quant_args, splits[0] if has_quant else 0,
+        *exact_args[0][:-1], splits[1 if has_quant else 0] if segments else 0,
+        *exact_args[1][:-1],
+        tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e),
+        HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
+        HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
+        num_warps=num_warps, **constants)
+    out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
+    rotated = has_quant and quantized.values.rotated
+    block = head_dim & -head_dim
+    merge_partials_kernel[(b * heads,)](
+        acc, m, l_, out, *out.stride(), n_splits, splits[0] if rotated else 0, heads, hq // heads, q_len,
+        1 / math.sqrt(block), HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, LOG2_BLOCK=block.bit_length() - 1,
+        ROTATED=rotated, num_warps=num_warps)
+    return out
+
+
+def _pow2(n: int) -> int:
+    """Block extent for ``n`` (a power of two >= 16: a matrix-product operand's least size)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _dot_dtype(query: torch.Tensor):
+    # the interpreter multiplies bfloat16 as raw integers: keep its products in float32
+    return tl.float32 if query.device.type == "cpu" else _DOT_DTYPES[query.dtype]
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    return PROGRAMS_PER_SM * _sm_count(device) if device.type == "cuda" else INTERPRETER_PROGRAMS
+
+
+def _mask_args(mask: torch.Tensor | None, q_len: int, hq: int, fallback: torch.Tensor, start: int
+               ) -> tuple[list, int, int]:
+    """``([tensor, 4 strides], mode, first column)`` for a region's ``[B|1, 1|Hq, q, n]`` mask (size-1 axes
+    broadcast): the kernel reads the mask at columns ``first + token`` (0 for this region-local slice), or
+    applies the causal rule at ``start + token`` when there is no mask."""
+    if mask is None:
+        return [fallback, 0, 0, 0, 0], MASK_NONE if q_len == 1 else MASK_CAUSAL, start
+    if mask.dim() != 4 or mask.shape[1] not in (1, hq) or mask.shape[2] != q_len:
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)}; expected [B|1, 1|{hq}, {q_len}, kv].")
+    strides = [0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride())]
+    if mask.dtype == torch.bool:
+        return [mask.view(torch.uint8), *strides], MASK_BOOL, 0
+    return [mask, *strides], MASK_ADDITIVE, 0
+
+
+def _region_mask(region, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    if region.mask is not None or attention_mask is None:
+        return region.mask
+    if attention_mask.shape[-1] < region.start + region.tokens:
+        raise ValueError(f"attention mask of {attention_mask.shape[-1]} columns for keys up to column "
+                         f"{region.start + region.tokens}.")
+    return attention_mask[..., region.start : region.start + region.tokens]
+
+
+def _exact_args(seg: ExactSegment | None, attention_mask, q_len: int, hq: int, dummy: torch.Tensor | None = None
+                ) -> list:
+    """Pointer and stride arguments of one exact-segment slot, then its mask mode (a dummy slot when None)."""
+    if seg is None:
+        return [dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0, 0, 0, MASK_NONE]
+    mask, mode, column = _mask_args(_region_mask(seg, attention_mask), q_len, hq, seg.keys, seg.start)
+    return [seg.keys, *seg.keys.stride(), seg.values, *seg.values.stride(), *mask, seg.tokens, column, mode]
+
+
+def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
+    """Pointer/stride arguments and constexprs of one quantized tensor (see ``_codes`` in the kernels)."""
+    codes, widths, block = stored.codes, (0, 0), 1
+    if codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        kind = FP8_E4M3 if codes.dtype == torch.float8_e4m3fn else FP8_E5M2
+        codes = codes.view(torch.uint8)
+    elif stored.bits == 8:
+        kind = INT8
+    else:
+        kind = PACKED_TOKENS if stored.layout == "tokens" else PACKED_HEAD_DIM
+        widths = (*plane_sets(stored.bits), 0)[:2]
+        block = stored.block_size if kind == PACKED_TOKENS else 1
+    zero = stored.zero if stored.zero is not None else stored.scale
+    offset = 2 ** (stored.bits - 1) if stored.bits < 8 and stored.symmetric else 0
+    constants = dict(KIND=kind, W0=widths[0], W1=widths[1], OFFSET=offset, PB=block, TG=stored.token_group,
+                     CG=stored.channel_group, ZERO=stored.zero is not None)
+    args = [codes, *codes.stride(), stored.scale, zero, *stored.scale.stride()]
+    return args, {f"{prefix}_{name}": value for name, value in constants.items()}
+
+
+def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: int, dummy: torch.Tensor
+                ) -> tuple[list, dict]:
+    """Arguments of the quantized-region slot (up to its split count) and every K_*/V_*/Q_MASK constexpr."""
+    if region is None:
+        fake = StoredCodes(dummy.new_zeros(1, 1, 1, 1, dtype=torch.int8), dummy.new_zeros(1, 1, 1, 1), None, 8, True)
+        keys, key_constants = _code_args(fake, "K")
+        values, value_constants = _code_args(fake, "V")
+        return [*keys, *values, dummy, 0, 0, 0, 0, 0, 0], {**key_constants, **value_constants, "Q_MASK": MASK_NONE}
+    keys, key_constants = _code_args(region.keys, "K")
+    values, value_constants = _code_args(region.values, "V")
+    mask, mode, column = _mask_args(_region_mask(region, attention_mask), q_len, hq, dummy, region.start)
+    return [*keys, *values, *mask, region.tokens, column], {**key_constants, **value_constants, "Q_MASK": mode}

@@ -1,0 +1,350 @@
+"""Triton kernels of the decode attention over stored codes (flash-decoding, split-KV); see :mod:`.decode`.
+
+Two kernels:
+
+- :func:`partial_attention_kernel`: one program per (batch row, KV head, split). A split is a run of tiles of one
+  region: the quantized region (codes, read as stored) or one of up to two exact segments (model-dtype K/V). The
+  program holds the query rows of every query head that shares its KV head, for every query position (``R =
+  n_rep * q_len`` rows), runs an online softmax over its tiles and writes an unnormalized partial output with its
+  row max and sum.
+- :func:`merge_partials_kernel`: one program per (batch row, KV head) merges the splits, rotates the quantized
+  part of rotated values back once (a fast Walsh-Hadamard transform in registers) and writes ``[B, q, Hq, D]``.
+
+Scores live in the log2 domain (the query is pre-multiplied by ``scaling * log2(e)``, masks by ``log2(e)``) so
+that the softmax uses ``exp2``. Everything accumulates in float32; matrix products take operands in ``DOT``
+(the model dtype on a GPU, float32 under the interpreter, whose bf16 dot is not supported).
+
+Quantized keys (one scale per channel per block, so one per tile): ``q . (s * c + z) = (q * s) . c + q . z``,
+the scale folded into the query and the zero term one number per tile and row. Quantized values with one
+scale and zero per token: ``sum_t p_t (s_t c_t + z_t) = (p * s) . C + sum_t p_t z_t``; other value groupings
+(several groups per token, per-block scales) are scaled in registers, tile by tile. No dense copy of a block
+is ever written to memory.
+
+Sub-byte codes are unpacked in registers from the layout :func:`hf_asymkv.core.quant.pack_codes` writes
+(restated here so that this file depends on no core module): codes are split into bit-plane sets of widths
+``(W0, W1)`` (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2, else one set). Token-packed blocks of ``PB`` tokens: the block's
+bytes are ``[PB * bits / 8, D]`` rows; set ``w`` spans ``PB * w / 8`` rows from its start row, and byte row
+``i`` holds token ``i + j * PB * w / 8`` of the block in bits ``[j * w, (j + 1) * w)``. Head-dim packing (regions
+that are not token-packed): set ``w`` spans ``D * w / 8`` columns from its start column, and byte ``i`` holds
+channel ``i + j * D * w / 8`` in bits ``[j * w, (j + 1) * w)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["merge_partials_kernel", "partial_attention_kernel"]
+
+# Code kinds (constexpr KIND): integer codes loaded as their dtype, fp8 bytes decoded by hand (portable to GPUs
+# without native fp8 conversions), or bit-plane packed sub-byte codes.
+INT8, FP8_E4M3, FP8_E5M2, PACKED_TOKENS, PACKED_HEAD_DIM = 0, 1, 2, 3, 4
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE, MASK_CAUSAL = 0, 1, 2, 3
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _plane(ptr, tok, ch, s_t, s_d, valid, HEAD_DIM: tl.constexpr, W: tl.constexpr, START: tl.constexpr,
+           TOKEN_PACKED: tl.constexpr, PB: tl.constexpr):
+    """The ``W``-bit plane-set field of each (token, channel) element, as int32 in ``[0, 2**W)``."""
+    if TOKEN_PACKED:
+        rows: tl.constexpr = PB * W // 8
+        tb = tok % PB
+        # a block's bytes are contiguous [PB * bits / 8, D] rows (s_d == 1, s_t == D * bits / 8)
+        addr = (tok - tb) * s_t + (START + tb % rows) * HEAD_DIM + ch
+        j = tb // rows
+    else:
+        cols: tl.constexpr = HEAD_DIM * W // 8
+        addr = tok * s_t + (START + ch % cols) * s_d
+        j = ch // cols
+    byte = tl.load(ptr + addr, mask=valid, other=0).to(tl.int32)
+    return (byte >> (j * W)) & ((1 << W) - 1)
+
+
+@triton.jit
+def _fp8(byte, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, SUBNORMAL_STEP: tl.constexpr):
+    """float32 value of fp8 bytes (int32 in [0, 256)): E4M3 (fn) or E5M2, normals and subnormals, by bit ops
+    (``SUBNORMAL_STEP`` = ``2 ** (1 - bias - MAN_BITS)``, the value of mantissa 1 at exponent 0)."""
+    bias: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    e = (byte >> MAN_BITS) & ((1 << EXP_BITS) - 1)
+    m = byte & ((1 << MAN_BITS) - 1)
+    normal = (((e + 127 - bias) << 23) | (m << (23 - MAN_BITS))).to(tl.float32, bitcast=True)
+    value = tl.where(e == 0, m.to(tl.float32) * SUBNORMAL_STEP, normal)
+    return tl.where((byte & 128) != 0, -value, value)
+
+
+@triton.jit
+def _codes(ptr, tok, ch, s_t, s_d, valid, HEAD_DIM: tl.constexpr, KIND: tl.constexpr, W0: tl.constexpr,
+           W1: tl.constexpr, OFFSET: tl.constexpr, PB: tl.constexpr):
+    """Code values (before scale and zero) of the elements at ``tok`` x ``ch`` (broadcast shapes), float32."""
+    if KIND == 0:  # int8 / uint8 codes: the pointer's dtype carries the sign
+        return tl.load(ptr + tok * s_t + ch * s_d, mask=valid, other=0).to(tl.float32)
+    elif KIND == 1:
+        return _fp8(tl.load(ptr + tok * s_t + ch * s_d, mask=valid, other=0).to(tl.int32), 4, 3, 0.001953125)
+    elif KIND == 2:
+        return _fp8(tl.load(ptr + tok * s_t + ch * s_d, mask=valid, other=0).to(tl.int32), 5, 2, 1.52587890625e-05)
+    else:
+        token_packed: tl.constexpr = KIND == 3
+        code = _plane(ptr, tok, ch, s_t, s_d, valid, HEAD_DIM, W0, 0, token_packed, PB)
+        if W1 > 0:
+            start: tl.constexpr = (PB if token_packed else HEAD_DIM) * W0 // 8
+            code = code | (_plane(ptr, tok, ch, s_t, s_d, valid, HEAD_DIM, W1, start, token_packed, PB) << W0)
+        return (code - OFFSET).to(tl.float32)
+
+
+@triton.jit
+def _mma(a, b, DOT: tl.constexpr):
+    """``a @ b`` with operands in ``DOT`` and a float32 result (exact float32 products for float32 operands)."""
+    if DOT == tl.float32:
+        return tl.dot(a.to(DOT), b.to(DOT), input_precision="ieee")
+    return tl.dot(a.to(DOT), b.to(DOT))
+
+
+@triton.jit
+def _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len, kv_len, MODE: tl.constexpr):
+    """Additive log2-domain bias ``[R, T]`` of the mask at (row's query head and position, column); -inf where
+    ``valid`` is false."""
+    if MODE == 0:
+        bias = tl.zeros(valid.shape, tl.float32)
+    elif MODE == 3:  # causal, bottom-right aligned: query i sees columns <= kv_len - q_len + i
+        bias = tl.where(col <= kv_len - q_len + qpos, 0.0, float("-inf"))
+    else:
+        ptrs = mask_ptr + b * sm_b + head * sm_h + qpos * sm_q + col * sm_k
+        m = tl.load(ptrs, mask=valid, other=0)
+        if MODE == 1:
+            bias = tl.where(m != 0, 0.0, float("-inf"))
+        else:
+            # clamped first: a dtype's lowest value (transformers' eager masks) would overflow to -inf times log2(e)
+            bias = tl.maximum(m.to(tl.float32), -1.0e38) * 1.4426950408889634
+    return tl.where(valid, bias, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(scores, m_i, l_i):
+    """One online-softmax step: returns ``(p, alpha, m_new, l_new)``; the caller adds ``p @ V`` to ``acc *
+    alpha``. Rows with nothing visible so far keep max -inf and contribute 0."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _exact_split(q, k_ptr, sk_b, sk_h, sk_t, sk_d, v_ptr, sv_b, sv_h, sv_t, sv_d, mask_ptr, sm_b, sm_h, sm_q, sm_k,
+                 n, col0, t_start, t_stop, b, h, heads, qpos, rows_ok, q_len, kv_len, HEAD_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, MASK: tl.constexpr,
+                 DOT: tl.constexpr):
+    """Online softmax over exact tokens ``[t_start, t_stop)`` of one segment: ``(acc, m, l)``."""
+    ch = tl.arange(0, D_PAD)
+    ch_ok = ch < HEAD_DIM
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, D_PAD], tl.float32)
+    k_base = k_ptr + b * sk_b + h * sk_h
+    v_base = v_ptr + b * sv_b + h * sv_h
+    for t0 in range(t_start, t_stop, TILE):
+        tok = t0 + tl.arange(0, TILE)
+        tok_ok = tok < n
+        kt = tl.load(k_base + tok[None, :] * sk_t + ch[:, None] * sk_d, mask=ch_ok[:, None] & tok_ok[None, :],
+                     other=0.0)
+        scores = _mma(q, kt, DOT)
+        valid = rows_ok[:, None] & tok_ok[None, :]
+        scores += _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
+                             col0 + tok[None, :], valid, q_len, kv_len, MASK)
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
+        v = tl.load(v_base + tok[:, None] * sv_t + ch[None, :] * sv_d, mask=tok_ok[:, None] & ch_ok[None, :],
+                    other=0.0)
+        acc = acc * alpha[:, None] + _mma(p, v, DOT)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, t0, tok, ch, ch_ok,
+                HEAD_DIM: tl.constexpr, DOT: tl.constexpr, KIND: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                OFFSET: tl.constexpr, PB: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr, ZERO: tl.constexpr):
+    """Scores ``[R, T]`` of a tile inside one key scale group: ``(q * s) . c + q . z``."""
+    kt = _codes(kc_base, tok[None, :], ch[:, None], skc_t, skc_d, ch_ok[:, None], HEAD_DIM, KIND, W0, W1, OFFSET, PB)
+    meta = (t0 // TG) * sks_t + (ch // CG) * sks_d
+    scale = tl.load(ks_base + meta, mask=ch_ok, other=0.0).to(tl.float32)
+    scores = _mma(q * scale[None, :], kt, DOT)
+    if ZERO:
+        zero = tl.load(kz_base + meta, mask=ch_ok, other=0.0).to(tl.float32)
+        scores += tl.sum(q * zero[None, :], 1)[:, None]
+    return scores
+
+
+@triton.jit
+def _value_mix(p, vc_base, svc_t, svc_d, vs_base, vz_base, svs_t, svs_d, tok, ch, ch_ok,
+               HEAD_DIM: tl.constexpr, DOT: tl.constexpr, KIND: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+               OFFSET: tl.constexpr, PB: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr, ZERO: tl.constexpr):
+    """``p @ V`` ``[R, D]`` of a tile of quantized values."""
+    codes = _codes(vc_base, tok[:, None], ch[None, :], svc_t, svc_d, ch_ok[None, :], HEAD_DIM, KIND, W0, W1, OFFSET,
+                   PB)
+    if TG == 1 and CG == HEAD_DIM:  # one scale (and zero) per token: fold them into the weights
+        scale = tl.load(vs_base + tok * svs_t).to(tl.float32)
+        mixed = _mma(p * scale[None, :], codes, DOT)
+        if ZERO:
+            mixed += tl.sum(p * tl.load(vz_base + tok * svs_t).to(tl.float32)[None, :], 1)[:, None]
+        return mixed
+    meta = (tok[:, None] // TG) * svs_t + (ch[None, :] // CG) * svs_d  # several groups: scale the tile
+    values = codes * tl.load(vs_base + meta, mask=ch_ok[None, :], other=0.0).to(tl.float32)
+    if ZERO:
+        values += tl.load(vz_base + meta, mask=ch_ok[None, :], other=0.0).to(tl.float32)
+    return _mma(p, values, DOT)
+
+
+@triton.jit
+def _quant_split(q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
+                 vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+                 mask_ptr, sm_b, sm_h, sm_q, sm_k, col0, t_start, t_stop, b, h, heads, qpos, rows_ok, q_len, kv_len,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr,
+                 MASK: tl.constexpr, DOT: tl.constexpr,
+                 K_KIND: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_OFFSET: tl.constexpr,
+                 K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
+                 V_KIND: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_OFFSET: tl.constexpr,
+                 V_PB: tl.constexpr, V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr):
+    """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles): ``(acc, m, l)``."""
+    ch = tl.arange(0, D_PAD)
+    ch_ok = ch < HEAD_DIM
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, D_PAD], tl.float32)
+    kc_base, vc_base = kc_ptr + b * skc_b + h * skc_h, vc_ptr + b * svc_b + h * svc_h
+    ks_base, kz_base = ks_ptr + b * sks_b + h * sks_h, kz_ptr + b * sks_b + h * sks_h
+    vs_base, vz_base = vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h
+    for t0 in range(t_start, t_stop, TILE):
+        tok = t0 + tl.arange(0, TILE)
+        scores = _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, t0, tok, ch, ch_ok, HEAD_DIM,
+                             DOT, K_KIND, K_W0, K_W1, K_OFFSET, K_PB, K_TG, K_CG, K_ZERO)
+        valid = rows_ok[:, None] & (tok[None, :] >= 0)
+        scores += _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
+                             col0 + tok[None, :], valid, q_len, kv_len, MASK)
+        p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
+        mixed = _value_mix(p, vc_base, svc_t, svc_d, vs_base, vz_base, svs_t, svs_d, tok, ch, ch_ok, HEAD_DIM, DOT,
+                           V_KIND, V_W0, V_W1, V_OFFSET, V_PB, V_TG, V_CG, V_ZERO)
+        acc = acc * alpha[:, None] + mixed
+    return acc, m_i, l_i
+
+
+# token counts, columns and split counts change at every step: specializing on them (== 1, % 16) would compile
+# a new variant for each pattern
+@triton.jit(do_not_specialize=["q_n", "q_col", "q_splits", "a_n", "a_col", "a_splits", "b_n", "b_col",
+                               "tiles_per_split", "n_splits", "q_len", "kv_len"])
+def partial_attention_kernel(
+    q_ptr, sq_b, sq_h, sq_q, sq_d, acc_ptr, m_ptr, l_ptr,
+    # the quantized region: key and value codes, scales and zeros (zeros share their scales' strides), its mask
+    kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
+    vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+    qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_n, q_col, q_splits,
+    # exact segments 1 and 2: keys, values, mask
+    ak_ptr, sak_b, sak_h, sak_t, sak_d, av_ptr, sav_b, sav_h, sav_t, sav_d, am_ptr, sam_b, sam_h, sam_q, sam_k,
+    a_n, a_col, a_splits,
+    bk_ptr, sbk_b, sbk_h, sbk_t, sbk_d, bv_ptr, sbv_b, sbv_h, sbv_t, sbv_d, bm_ptr, sbm_b, sbm_h, sbm_q, sbm_k,
+    b_n, b_col,
+    tiles_per_split, n_splits, heads_kv, n_rep, q_len, kv_len, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
+    HAS_QUANT: tl.constexpr, N_EXACT: tl.constexpr, Q_MASK: tl.constexpr, A_MASK: tl.constexpr,
+    B_MASK: tl.constexpr,
+    K_KIND: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_OFFSET: tl.constexpr, K_PB: tl.constexpr,
+    K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
+    V_KIND: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_OFFSET: tl.constexpr, V_PB: tl.constexpr,
+    V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
+):
+    """Grid ``(B * heads_kv, n_splits)``: splits ``[0, q_splits)`` cover the quantized region, the next
+    ``a_splits`` exact segment 1, the rest exact segment 2. Writes ``acc`` ``[B * H, n_splits, R, D]`` and
+    ``m``, ``l`` ``[B * H, n_splits, R]`` (float32, ``R = n_rep * q_len``)."""
+    pid_bh, pid_s = tl.program_id(0), tl.program_id(1)
+    b, h = (pid_bh // heads_kv).to(tl.int64), (pid_bh % heads_kv).to(tl.int64)  # offsets may pass 2**31
+    r = tl.arange(0, R_PAD)
+    ch = tl.arange(0, D_PAD)
+    rows = n_rep * q_len
+    rows_ok = r < rows
+    qpos, heads = r % q_len, h * n_rep + r // q_len
+    q_ptrs = q_ptr + b * sq_b + heads[:, None] * sq_h + qpos[:, None] * sq_q + ch[None, :] * sq_d
+    q = tl.load(q_ptrs, mask=rows_ok[:, None] & (ch[None, :] < HEAD_DIM), other=0.0).to(tl.float32) * qk_scale
+    span = tiles_per_split * TILE
+    acc = tl.zeros([R_PAD, D_PAD], tl.float32)
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    if pid_s < q_splits:
+        if HAS_QUANT:
+            start = pid_s * span
+            acc, m_i, l_i = _quant_split(
+                q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
+                vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+                qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, tl.minimum(start + span, q_n), b, h, heads, qpos,
+                rows_ok, q_len, kv_len, HEAD_DIM, D_PAD, R_PAD, TILE, Q_MASK, DOT,
+                K_KIND, K_W0, K_W1, K_OFFSET, K_PB, K_TG, K_CG, K_ZERO,
+                V_KIND, V_W0, V_W1, V_OFFSET, V_PB, V_TG, V_CG, V_ZERO)
+    elif pid_s < q_splits + a_splits:
+        if N_EXACT >= 1:
+            start = (pid_s - q_splits) * span
+            acc, m_i, l_i = _exact_split(
+                q, ak_ptr, sak_b, sak_h, sak_t, sak_d, av_ptr, sav_b, sav_h, sav_t, sav_d,
+                am_ptr, sam_b, sam_h, sam_q, sam_k, a_n, a_col, start, tl.minimum(start + span, a_n), b, h, heads,
+                qpos, rows_ok, q_len, kv_len, HEAD_DIM, D_PAD, R_PAD, TILE, A_MASK, DOT)
+    else:
+        if N_EXACT >= 2:
+            start = (pid_s - q_splits - a_splits) * span
+            acc, m_i, l_i = _exact_split(
+                q, bk_ptr, sbk_b, sbk_h, sbk_t, sbk_d, bv_ptr, sbv_b, sbv_h, sbv_t, sbv_d,
+                bm_ptr, sbm_b, sbm_h, sbm_q, sbm_k, b_n, b_col, start, tl.minimum(start + span, b_n), b, h, heads,
+                qpos, rows_ok, q_len, kv_len, HEAD_DIM, D_PAD, R_PAD, TILE, B_MASK, DOT)
+    row_index = (pid_bh * n_splits + pid_s) * rows + r
+    tl.store(m_ptr + row_index, m_i, mask=rows_ok)
+    tl.store(l_ptr + row_index, l_i, mask=rows_ok)
+    tl.store(acc_ptr + row_index[:, None] * HEAD_DIM + ch[None, :], acc,
+             mask=rows_ok[:, None] & (ch[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _unrotate(x, ch, LOG2_BLOCK: tl.constexpr):
+    """``x @ S`` for the unnormalized Sylvester-Hadamard matrix ``S`` of blocks of ``2**LOG2_BLOCK`` channels, by
+    butterflies in registers: channel ``i`` meets ``i ^ 2**stage`` at each stage."""
+    cols = ch[None, :] + tl.zeros(x.shape, tl.int32)
+    for stage in tl.static_range(LOG2_BLOCK):
+        partner = tl.gather(x, cols ^ (1 << stage), axis=1)
+        x = tl.where((cols & (1 << stage)) == 0, x + partner, partner - x)
+    return x
+
+
+@triton.jit(do_not_specialize=["n_splits", "rotated_splits", "q_len"])
+def merge_partials_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_q, so_h, so_d, n_splits, rotated_splits,
+                          heads_kv, n_rep, q_len, unrotate_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                          R_PAD: tl.constexpr, LOG2_BLOCK: tl.constexpr, ROTATED: tl.constexpr):
+    """Grid ``(B * heads_kv,)``: merge the splits of :func:`partial_attention_kernel` into ``out`` ``[B, q, Hq, D]``.
+
+    With ``ROTATED``, splits ``[0, rotated_splits)`` (0 otherwise) mixed values stored as ``V H``: their merged sum is rotated
+    back once, ``(sum) H^T`` with ``H = S * unrotate_scale``. Rows that see no token are written as 0.
+    """
+    pid = tl.program_id(0)
+    b, h = (pid // heads_kv).to(tl.int64), (pid % heads_kv).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    ch = tl.arange(0, D_PAD)
+    rows = n_rep * q_len
+    rows_ok = r < rows
+    tile_ok = rows_ok[:, None] & (ch[None, :] < HEAD_DIM)
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    plain = tl.zeros([R_PAD, D_PAD], tl.float32)
+    rotated = tl.zeros([R_PAD, D_PAD], tl.float32)
+    for s in range(0, n_splits):
+        row_index = (pid * n_splits + s) * rows + r
+        m_s = tl.load(m_ptr + row_index, mask=rows_ok, other=float("-inf"))
+        l_s = tl.load(l_ptr + row_index, mask=rows_ok, other=0.0)
+        acc_s = tl.load(acc_ptr + row_index[:, None] * HEAD_DIM + ch[None, :], mask=tile_ok, other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(m_s - m_safe)
+        l_i = l_i * alpha + l_s * beta
+        in_rotated = s < rotated_splits
+        plain = plain * alpha[:, None] + tl.where(in_rotated, 0.0, acc_s * beta[:, None])
+        rotated = rotated * alpha[:, None] + tl.where(in_rotated, acc_s * beta[:, None], 0.0)
+        m_i = m_new
+    if ROTATED:
+        plain += _unrotate(rotated, ch, LOG2_BLOCK) * unrotate_scale
+    out = plain / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    qpos, heads = r % q_len, h * n_rep + r // q_len
+    out_ptrs = out_ptr + b * so_b + qpos[:, None] * so_q + heads[:, None] * so_h + ch[None, :] * so_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=tile_ok)

@@ -1,0 +1,157 @@
+"""GPU check of the Triton decode attention over the stored codes (issue 19), on one GPU, nothing downloaded.
+
+A random-weight LlamaForCausalLM with Llama-3-8B's shapes (32 query heads, 8 KV heads, head_dim 128, hidden
+4096, MLP 14336, vocab 128256) and 4 of its layers, in bf16. It checks the kernel against the torch fused
+attention (SQNR), times the attention alone against SDPA over bf16 K/V, then times whole-model decode at batch 1
+(8k, 32k, 128k) and batch 8 at 32k for DynamicCache + SDPA, transformers' QuantizedCache (where quanto or HQQ
+imports), our dense read-out and our Triton path (balanced, compact, max), each beside its physical ceiling
+(weights + KV bytes over the bandwidth), with peak memory, prefill time and the longest context each fits in a
+memory budget. Writes results/gpu/gpu_check.{md,json}. About 5 minutes on one H200.
+
+On the GPU machine (torch, triton and transformers installed):
+
+    pip install --no-deps -e .
+    python scripts/gpu_check.py 2>&1 | tee results/gpu/raw_output.txt
+
+``--dry-run`` runs every part on CPU with tiny shapes and the kernels under Triton's interpreter (CI runs it, so
+that this script cannot rot); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+CONTEXTS = [8192, 32768, 131072]  # batch-1 decode contexts (tokens of random prompt before decoding)
+LONG_BATCH = [8, 32768]  # batch and context where the KV cache dominates the bytes a step reads
+STEPS = 32  # timed decode steps per run
+WARMUP = 4  # untimed decode steps first (Triton compiles each kernel variant on first use)
+LAYERS = 4  # of Llama-3-8B's 32: bytes per layer are the real ones, the run stays short
+PRESETS = ["balanced", "compact", "max"]  # served by the Triton schemes and timed alone against SDPA
+ATTENTION_CONTEXT = 32768  # context of the attention-alone timing
+ATTENTION_BATCHES = [1, 8]
+ITERS = 50  # attention calls per timing
+BANDWIDTH_TBPS = 4.8  # H200 HBM3e; every time is printed beside bytes / this bandwidth
+BUDGET_GIB = 60.0  # KV memory for the longest-context table: an 80 GB card minus Llama-3-8B's 16 GB of weights
+FULL_LAYERS = 32  # layers of the model the budget is for (Llama-3-8B)
+OUT = Path(__file__).resolve().parents[1] / "results" / "gpu"
+# --dry-run: tiny shapes, contexts that still quantize a block of every preset (128-token blocks after 4 sinks and a
+# 64-token window), one step
+DRY = dict(contexts=[200], long_batch=[2, 200], steps=1, warmup=1, layers=2, attention_context=256,
+           attention_batches=[2], iters=1)
+CHECK_CONTEXT = 4096  # context of the kernel-vs-torch agreement check (at most the attention context)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter: checks the script runs")
+    p.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS, help="batch-1 decode contexts")
+    p.add_argument("--long-batch", type=int, nargs=2, default=LONG_BATCH, metavar=("BATCH", "CONTEXT"))
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--warmup", type=int, default=WARMUP)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--schemes", nargs="+", default=None, help="subset of the schemes (default: all)")
+    p.add_argument("--attention-context", type=int, default=ATTENTION_CONTEXT)
+    p.add_argument("--attention-batches", type=int, nargs="+", default=ATTENTION_BATCHES)
+    p.add_argument("--iters", type=int, default=ITERS)
+    p.add_argument("--bandwidth-tbps", type=float, default=BANDWIDTH_TBPS, help="the card's memory bandwidth, TB/s")
+    p.add_argument("--budget-gib", type=float, default=BUDGET_GIB)
+    p.add_argument("--full-layers", type=int, default=FULL_LAYERS)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        for name, value in DRY.items():
+            if getattr(args, name) == globals()[name.upper()]:
+                setattr(args, name, value)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    least = [("--contexts", args.contexts, 1), ("--long-batch", args.long_batch, 1), ("--steps", args.steps, 1),
+             ("--warmup", args.warmup, 0), ("--layers", args.layers, 1), ("--iters", args.iters, 1),
+             ("--attention-context", args.attention_context, 1), ("--attention-batches", args.attention_batches, 1),
+             ("--full-layers", args.full_layers, 1)]
+    for flag, value, minimum in least:
+        if min(value if isinstance(value, list) else [value]) < minimum:
+            p.error(f"{flag} must be >= {minimum}, got {value}")
+    for flag, value in (("--bandwidth-tbps", args.bandwidth_tbps), ("--budget-gib", args.budget_gib)):
+        if not value > 0:
+            p.error(f"{flag} must be > 0, got {value}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.dry_run:  # before anything imports Triton (transformers does)
+        os.environ["TRITON_INTERPRET"] = "1"
+        from hf_asymkv.kernels.interpreter import prepare_interpreter
+
+        prepare_interpreter()
+    import torch
+
+    from hf_asymkv.bench.gpu_runs import GPU_SCHEMES
+
+    schemes = args.schemes or list(GPU_SCHEMES)
+    unknown = sorted(set(schemes) - set(GPU_SCHEMES))
+    if unknown:
+        sys.exit(f"gpu_check.py: error: unknown schemes {unknown}; known: {list(GPU_SCHEMES)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("gpu_check.py: error: no CUDA device here; use --dry-run to check the script on CPU")
+    return run(args, schemes)
+
+
+def run(args: argparse.Namespace, schemes: list[str]) -> dict:
+    import torch
+
+    from hf_asymkv.bench import gpu_attention, gpu_report, gpu_runs, op_count
+    from hf_asymkv.core.presets import PRESETS as PRESETS_ALL
+
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    shapes = dataclasses.replace(gpu_runs.DRY_SHAPES if args.dry_run else gpu_runs.LLAMA3_8B, layers=args.layers)
+    model = gpu_runs.build_model(shapes, torch.float32 if args.dry_run else torch.bfloat16, device)
+    bandwidth = args.bandwidth_tbps * 1e12
+    meta = _meta(args, shapes, model, device)
+    print(f"model: {shapes}, weights read per step {meta['weight_bytes'] / 2**30:.2f} GiB", flush=True)
+    flush = op_count.flush_cost_rows(model, list(PRESETS_ALL))
+    checks = gpu_attention.kernel_check_rows(model, PRESETS, 2, min(CHECK_CONTEXT, args.attention_context))
+    attention = [row for batch in args.attention_batches
+                 for row in gpu_attention.attention_rows(model, PRESETS, batch, args.attention_context, args.iters)]
+    settings = [(1, c) for c in args.contexts] + [tuple(args.long_batch)]
+    decode = []
+    for batch, context in settings:
+        for name in schemes:
+            row = gpu_runs.decode_row(model, name, batch, context, args.steps, args.warmup)
+            print(f"decode {name} batch {batch} context {context}: {row.status} {row.decode_ms:.2f} ms/step", flush=True)
+            decode.append(row.as_dict())
+    decode = gpu_report.with_ceilings(decode, meta["weight_bytes"], bandwidth)
+    attention = gpu_report.attention_table(attention, bandwidth)
+    fit = gpu_report.fit_rows(decode, shapes.layers, args.full_layers, args.budget_gib * 2**30)
+    goals = gpu_report.goal_rows(decode, attention, max(args.contexts), tuple(args.long_batch))
+    report = {"meta": meta, "update_cost": flush, "kernel_check": checks, "attention": attention, "decode": decode,
+              "fit": fit, "goals": goals}
+    markdown = gpu_report.markdown_report(meta, flush, checks, attention, decode, fit, goals)
+    print(markdown)
+    for path in gpu_report.write_report(args.out, report, markdown):
+        print(f"wrote {path}")
+    return report
+
+
+def _meta(args: argparse.Namespace, shapes, model, device) -> dict:
+    import torch
+    import transformers
+
+    from hf_asymkv.bench.gpu_runs import weight_bytes
+    from hf_asymkv.kernels.backend import triton_version
+
+    return {"dry_run": args.dry_run, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "bandwidth_tbps": args.bandwidth_tbps, "torch": torch.__version__, "triton": triton_version(),
+            "transformers": transformers.__version__, "model": dataclasses.asdict(shapes), "dtype": str(model.dtype),
+            "weight_bytes": weight_bytes(model), "steps": args.steps, "warmup": args.warmup,
+            "budget_gib": args.budget_gib, "full_layers": args.full_layers}
+
+
+if __name__ == "__main__":
+    main()

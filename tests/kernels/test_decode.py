@@ -1,0 +1,202 @@
+"""The Triton decode attention (under the interpreter) against a float64 reference over the dequantized K/V.
+
+Both sides read the same codes, so the difference is float rounding only: SQNR >= 60 dB in float32 (measured
+~110-120 dB), looser for half-precision queries and exact tokens (their output is rounded to 8 or 11 bits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import PAD, build, formats, padded_causal_mask, reference, specs, stored
+
+from hf_asymkv.core.quant import QuantSpec, sqnr_db
+from hf_asymkv.kernels.decode import decode_attention
+from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
+
+FLOAT32_DB = 60.0
+HALF_DB = {torch.bfloat16: 40.0, torch.float16: 55.0}
+FORMATS = formats()
+NAMES = list(FORMATS)
+
+
+def _attend(key_spec: QuantSpec, value_spec: QuantSpec, block: int, *, n_rep=3, q_len=5, head_dim=64,
+            dtype=torch.float32, tiles_per_split=None, seed=0, **shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kernel output, float64 reference)`` for a left-padded batch of 2 with a causal mask."""
+    region, segments, k, v = build(key_spec, value_spec, block, head_dim=head_dim, dtype=dtype, seed=seed, **shape)
+    g = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(2, k.shape[1] * n_rep, q_len, head_dim, generator=g).to(dtype)
+    mask = padded_causal_mask(2, q_len, k.shape[2])
+    out = decode_attention(query, head_dim**-0.5, quantized=region, exact=segments, attention_mask=mask,
+                           tiles_per_split=tiles_per_split)
+    assert out.shape == (2, q_len, k.shape[1] * n_rep, head_dim) and out.dtype == dtype
+    return out, reference(query, k, v, mask, head_dim**-0.5)
+
+
+def _preset(name: str, head_dim: int = 64, **kwargs):
+    """A preset's formats and block size; 128 quantized tokens unless ``blocks`` says otherwise."""
+    config, block = FORMATS[name]
+    kwargs.setdefault("blocks", max(1, 128 // block))
+    return _attend(*specs(config, head_dim), block, head_dim=head_dim, **kwargs)
+
+
+# every format meets every GQA width and both query lengths (not every triple: the interpreter is slow)
+HEADS_AND_QUERIES = {"mha-q1": (1, 1), "gqa3-q5": (3, 5), "gqa4-q1": (4, 1), "gqa4-q5": (4, 5)}
+
+
+@pytest.mark.parametrize("heads_and_query", list(HEADS_AND_QUERIES), ids=list(HEADS_AND_QUERIES))
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_formats(name, heads_and_query):
+    n_rep, q_len = HEADS_AND_QUERIES[heads_and_query]
+    out, ref = _preset(name, n_rep=n_rep, q_len=q_len)
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+def test_head_dim_128(name):
+    out, ref = _preset(name, head_dim=128, n_rep=4, blocks=1)
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+LENGTHS = {
+    "whole-tiles": dict(tail=64, sinks=4),  # every region ends on a tile (and block) boundary
+    "one-new-token": dict(tail=1, sinks=0),
+    "partial-tile": dict(tail=37, sinks=4),
+    "no-quantized-region": dict(tail=37, sinks=4, blocks=0),
+}
+
+
+@pytest.mark.parametrize("tiles_per_split", [None, 1], ids=["auto-splits", "one-tile-splits"])
+@pytest.mark.parametrize("lengths", list(LENGTHS), ids=list(LENGTHS))
+@pytest.mark.parametrize("name", ["balanced", "compact", "max"])
+def test_lengths_and_splits(name, lengths, tiles_per_split):
+    out, ref = _preset(name, tiles_per_split=tiles_per_split, **LENGTHS[lengths])
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["balanced", "compact", "max", "fp8_e4m3-keys"])
+def test_half_precision(name, dtype):
+    out, ref = _preset(name, dtype=dtype, n_rep=4)
+    assert sqnr_db(ref, out) >= HALF_DB[dtype]
+
+
+VALUE_LAYOUTS = {
+    # (value spec, packing block): per-token codes packed along head_dim (what a region that is not whole
+    # token-packed blocks holds), two scale groups per token, and one scale per block and channel
+    "int4-head_dim-packed": (QuantSpec("int4", "token", 64, symmetric=False), 1),
+    "int3-head_dim-packed": (QuantSpec("int3", "token", 64, symmetric=False), 1),
+    "int4-two-groups": (QuantSpec("int4", "token", 32, symmetric=False), 32),
+    "int4-symmetric": (QuantSpec("int4", "token", 64), 32),
+    "int8-per-block-channel": (QuantSpec("int8", "channel", symmetric=False), 32),
+    "int8-rotated-symmetric": (QuantSpec("int8", "token", 64, rotated=True), 32),
+}
+
+
+@pytest.mark.parametrize("layout", list(VALUE_LAYOUTS), ids=list(VALUE_LAYOUTS))
+def test_value_layouts(layout):
+    value_spec, value_block = VALUE_LAYOUTS[layout]
+    region, segments, k, v = build(QuantSpec("int8", "channel"), value_spec, 32)
+    values, dense_v = stored(torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(3)), value_spec,
+                             value_block)
+    region = QuantizedRegion(region.keys, values, start=region.start)
+    v = torch.cat([v[:, :, :4], dense_v, v[:, :, 68:]], 2)
+    query = torch.randn(2, 6, 5, 64, generator=torch.Generator().manual_seed(4))
+    mask = padded_causal_mask(2, 5, k.shape[2])
+    out = decode_attention(query, 0.125, quantized=region, exact=segments, attention_mask=mask)
+    assert sqnr_db(reference(query, k, v, mask, 0.125), out) >= FLOAT32_DB
+
+
+KEY_SPECS = {
+    "int8-per-block-tensor": QuantSpec("int8", "tensor"),
+    "int4-symmetric-channel": QuantSpec("int4", "channel"),
+    "int6-asymmetric-channel": QuantSpec("int6", "channel", symmetric=False),
+    "int5-asymmetric-channel": QuantSpec("int5", "channel", symmetric=False),
+}
+
+
+@pytest.mark.parametrize("name", list(KEY_SPECS), ids=list(KEY_SPECS))
+def test_other_key_formats(name):
+    out, ref = _attend(KEY_SPECS[name], QuantSpec("int4", "token", 64, symmetric=False), 32)
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+def test_head_dim_80_rotates_in_blocks_of_16():
+    """A head_dim that is not a power of two: padded to 128 lanes, values rotated by 5 Hadamard blocks of 16."""
+    out, ref = _preset("compact", head_dim=80, blocks=1)
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+def _balanced_case(q_len: int = 5):
+    config, block = FORMATS["balanced"]
+    region, segments, k, v = build(*specs(config, 64), block, blocks=1)
+    query = torch.randn(2, 6, q_len, 64, generator=torch.Generator().manual_seed(9))
+    return region, segments, k, v, query
+
+
+@pytest.mark.parametrize("kind", ["additive", "finfo-min", "per-head", "causal-none"])
+def test_mask_kinds(kind):
+    region, segments, k, v, query = _balanced_case()
+    bool_mask = padded_causal_mask(2, 5, k.shape[2])
+    if kind == "additive":
+        mask = torch.zeros(bool_mask.shape).masked_fill(~bool_mask, float("-inf"))
+    elif kind == "finfo-min":  # transformers' eager masks: the dtype's lowest value instead of -inf
+        mask = torch.zeros(bool_mask.shape).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+    elif kind == "per-head":
+        mask = bool_mask.repeat(1, 6, 1, 1)
+        mask[:, 4, :, 20:40] = False  # one query head sees less
+    else:
+        mask = None
+    out = decode_attention(query, 0.125, quantized=region, exact=segments, attention_mask=mask)
+    assert sqnr_db(reference(query, k, v, mask, 0.125), out) >= FLOAT32_DB
+
+
+def test_an_empty_quantized_region_is_skipped():
+    region, segments, k, v, query = _balanced_case()
+    keys, values = region.keys, region.values
+    empty = QuantizedRegion(StoredCodes(keys.codes[:, :, :0], keys.scale[:, :, :0], None, 8, True),
+                            StoredCodes(values.codes[:, :, :0], values.scale[:, :, :0], values.zero[:, :, :0], 4,
+                                        False, "tokens", 128, rotated=True), start=4)
+    tail = ExactSegment(segments[1].keys, segments[1].values, 4)
+    k, v = torch.cat([k[:, :, :4], k[:, :, -37:]], 2), torch.cat([v[:, :, :4], v[:, :, -37:]], 2)
+    out = decode_attention(query, 0.125, quantized=empty, exact=(segments[0], tail))
+    assert sqnr_db(reference(query, k, v, None, 0.125), out) >= FLOAT32_DB
+
+
+def test_rows_that_see_nothing_are_zero():
+    region, segments, k, v, query = _balanced_case(q_len=1)
+    mask = torch.ones(2, 1, 1, k.shape[2], dtype=torch.bool)
+    mask[1] = False
+    out = decode_attention(query, 0.125, quantized=region, exact=segments, attention_mask=mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert sqnr_db(reference(query[:1], k[:1], v[:1], mask[:1], 0.125), out[:1]) >= FLOAT32_DB
+
+
+def test_sink_overlay_through_masks():
+    """An exact sink overlay (blocks quantized from token 0; exact copies of each row's first real tokens kept
+    aside) needs no kernel change: mask the overlaid positions out of the quantized region, and give the sinks
+    their own mask slice. Row 1 is left-padded: its sinks are tokens PAD..PAD+3."""
+    config, block = FORMATS["compact"]
+    key_spec, value_spec = specs(config, 64)
+    g = torch.Generator().manual_seed(21)
+    raw_k, raw_v = torch.randn(2, 2, 2 * block, 64, generator=g), torch.randn(2, 2, 2 * block, 64, generator=g)
+    (keys, dense_k), (values, dense_v) = stored(raw_k, key_spec, block), stored(raw_v, value_spec, block)
+    tail_k, tail_v = torch.randn(2, 2, 9, 64, generator=g), torch.randn(2, 2, 9, 64, generator=g)
+    first_real = torch.tensor([0, PAD])
+    rows = first_real[:, None] + torch.arange(4)  # [B, S] positions of each row's sinks
+    take = rows[:, None, :, None].expand(2, 2, 4, 64)
+    sink_k, sink_v = raw_k.gather(2, take), raw_v.gather(2, take)
+    kv = 2 * block + 9
+    mask = padded_causal_mask(2, 1, kv)
+    quant_mask = mask[..., : 2 * block].clone()
+    quant_mask.scatter_(3, rows[:, None, None, :], False)  # the overlaid positions leave the quantized stream
+    sink_mask = mask.gather(3, rows[:, None, None, :])
+    region = QuantizedRegion(keys, values, mask=quant_mask)
+    segments = (ExactSegment(sink_k, sink_v, mask=sink_mask), ExactSegment(tail_k, tail_v, 2 * block))
+    query = torch.randn(2, 6, 1, 64, generator=g)
+    out = decode_attention(query, 0.125, quantized=region, exact=segments, attention_mask=mask)
+    # reference: the dequantized stream with each row's sink positions holding the exact tokens
+    ref_k, ref_v = torch.cat([dense_k, tail_k.double()], 2), torch.cat([dense_v, tail_v.double()], 2)
+    ref_k.scatter_(2, take, sink_k.double())
+    ref_v.scatter_(2, take, sink_v.double())
+    assert sqnr_db(reference(query, ref_k, ref_v, mask, 0.125), out) >= FLOAT32_DB
