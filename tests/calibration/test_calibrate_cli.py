@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import llama_config
 
+from hf_asymkv.calibration.allocate import check_sensitivity
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.calibration.data import load_texts, pack_samples
 from hf_asymkv.cli import main
@@ -31,7 +32,12 @@ def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
     assert calibrate(workdir, out) == 0
     captured = capsys.readouterr()
     report_path = tmp_path / "results" / "kv_scales.report.json"
-    assert sorted(p.name for p in out.parent.iterdir()) == ["kv_scales.report.json", "kv_scales.safetensors"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["kv_scales.report.json", "kv_scales.safetensors",
+                                                            "kv_scales.sensitivity.json"]
+    sensitivity = json.loads((tmp_path / "results" / "kv_scales.sensitivity.json").read_text())
+    check_sensitivity(sensitivity)  # a file the allocation reads: per layer, a cost per key and value width
+    assert sensitivity["layers"] == [0, 1] and sensitivity["model_id"] == str(workdir / "model")
+    assert sensitivity["keys"]["int2"][0] > sensitivity["keys"]["int8"][0]
 
     model, tokenizer = load_model(str(workdir / "model"))
     scales = KVScales.load(out, config=model.config)
@@ -175,7 +181,7 @@ def test_failed_run_leaves_an_existing_output_intact(workdir, tmp_path):
     before = out.read_bytes(), (tmp_path / "kv.report.json").read_text()
     assert calibrate(workdir, out, "--seq-len", "5000") == 2
     assert (out.read_bytes(), (tmp_path / "kv.report.json").read_text()) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.report.json", "kv.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.report.json", "kv.safetensors", "kv.sensitivity.json"]
 
 
 @pytest.mark.parametrize(
@@ -189,9 +195,10 @@ def test_failed_run_leaves_an_existing_output_intact(workdir, tmp_path):
      (["--chunk-size", "0"], "argument --chunk-size: must be >= 1, got 0"),
      (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
      (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
-     (["--model", "/nonexistent/model"], "argument --model: model '/nonexistent/model': no such folder")],
+     (["--model", "/nonexistent/model"], "argument --model: model '/nonexistent/model': no such folder"),
+     (["--sensitivity-tokens", "1"], "argument --sensitivity-tokens: must be 0 or >= 2, got 1")],
     ids=["statistic", "seq-len", "dtype", "percentile-150", "percentile-150-absmax", "percentile-0", "chunk-size-0",
-         "seq-len-0", "num-samples-0", "missing-model-folder"],
+         "seq-len-0", "num-samples-0", "missing-model-folder", "sensitivity-tokens-1"],
 )
 def test_argparse_errors_exit_2(workdir, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as info:
