@@ -64,7 +64,9 @@ def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
     assert [line.split()[0] for line in lines[1:3]] == ["0", "1"]
     assert "No layer's long-context key range exceeds" in captured.out
     k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
-    summary = lines[-1]
+    summary, written = lines[-2:]
+    assert written == (f"wrote {tmp_path / 'results' / 'kv_scales.sensitivity.json'} (attention KL per layer for 7 "
+                       "key and 4 value widths, 128 tokens)")
     assert summary.startswith(f"wrote {out} (2 layers, 3 x 128 tokens from 384 distinct text tokens, absmax")
     assert str(report_path) in summary and "warning" not in captured.err
     assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "384", "1.0")
@@ -103,7 +105,7 @@ def test_text_read_more_than_once_is_warned_and_recorded(workdir, tmp_path, caps
     assert calibrate(workdir, out, "--num-samples", "20") == 0
     captured = capsys.readouterr()
     assert "warning: 20 x 128 sample tokens from 1,501 distinct text tokens: the text is read 1.7 times" in captured.err
-    assert "x 128 tokens from 1,501 distinct text tokens, read 1.7 times," in captured.out.splitlines()[-1]
+    assert "x 128 tokens from 1,501 distinct text tokens, read 1.7 times," in captured.out.splitlines()[-2]
     meta = KVScales.load(out).metadata
     assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "1501", "1.71")
     assert json.loads((tmp_path / "kv.report.json").read_text())["meta"]["distinct_tokens"] == 1501
