@@ -153,12 +153,20 @@ def prefill_sensitivity(prefilled, layers: list[int]) -> dict:
     Args:
         prefilled: a ``DynamicCache`` after the prefill (``layers[i].keys``: ``[batch, kv_heads, T, head_dim]``).
         layers: the quantized layers' indices.
+
+    Raises:
+        ValueError: a prefill shorter than the longest key block (the first whole blocks are measured).
     """
-    out = {"version": SENSITIVITY_VERSION, "tokens": int(prefilled.layers[layers[0]].keys.shape[-2]), "queries": 0,
+    block = max(settings["key_block_size"] for settings in KEY_WIDTHS.values())
+    tokens = prefilled.layers[layers[0]].keys.shape[-2] // block * block  # whole blocks of every width
+    if not tokens:
+        raise ValueError(f"prefill_sensitivity needs a prefill of at least {block} tokens, got "
+                         f"{prefilled.layers[layers[0]].keys.shape[-2]}")
+    out = {"version": SENSITIVITY_VERSION, "tokens": tokens, "queries": 0,
            "layers": list(layers), "keys": {w: [] for w in KEY_WIDTHS}, "values": {w: [] for w in VALUE_WIDTHS},
            "widths": {**KEY_WIDTHS, **VALUE_WIDTHS}, "source": "prefill"}
     for i in layers:
-        keys, values = prefilled.layers[i].keys, prefilled.layers[i].values
+        keys, values = prefilled.layers[i].keys[..., :tokens, :], prefilled.layers[i].values[..., :tokens, :]
         for width, settings in KEY_WIDTHS.items():
             out["keys"][width].append(_relative_error(keys, AsymKVConfig(**settings).resolved(
                 [keys.shape[-1]]).key_spec()))

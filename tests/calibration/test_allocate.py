@@ -91,3 +91,35 @@ def test_sensitivity_of_a_tiny_model(llama, single_thread):
 def test_sensitivity_bad_input(llama, ids, queries, message):
     with pytest.raises(ValueError, match=message):
         layer_sensitivity(llama, ids, queries)
+
+
+def test_prefill_sensitivity_from_the_prefill_keys(llama, single_thread):
+    """From the prefill alone: per layer and width, the keys' relative round-trip error. Per-channel
+    asymmetric codes absorb a per-channel offset (a k_proj bias): the same keys plus offsets lose no more in
+    absolute terms, so less relative to their size; the result is allocatable."""
+    from transformers.cache_utils import DynamicCache
+
+    from hf_asymkv.calibration.sensitivity import prefill_sensitivity
+
+    cache = DynamicCache(config=llama.config)
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 200, 16, generator=g), torch.randn(1, 2, 200, 16, generator=g)
+    cache.update(keys, values, 0)
+    cache.update(keys + torch.linspace(0, 40, 16), values, 1)  # layer 1: offsets, as a k_proj bias gives
+    sens = prefill_sensitivity(cache, [0, 1])
+    check_sensitivity(sens)
+    assert sens["tokens"] == 128 and sens["source"] == "prefill"  # whole 128-token blocks
+    assert sens["keys"]["int2"][1] < sens["keys"]["int2"][0]  # relative error: the offset is stored exactly-ish
+    assert sens["keys"]["int2"][0] > sens["keys"]["int4"][0] > sens["keys"]["int8"][0]
+    assert allocate(sens, 100.0, 16) == {0: ("int8", "v8"), 1: ("int8", "v8")}
+
+
+def test_prefill_sensitivity_needs_one_whole_block(llama):
+    from transformers.cache_utils import DynamicCache
+
+    from hf_asymkv.calibration.sensitivity import prefill_sensitivity
+
+    cache = DynamicCache(config=llama.config)
+    cache.update(torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16), 0)
+    with pytest.raises(ValueError, match="needs a prefill of at least 128 tokens, got 100"):
+        prefill_sensitivity(cache, [0])
