@@ -92,6 +92,17 @@ def shared_kv_config():
     )
 
 
+def save_tiny_model(folder: Path, kind: str = "llama") -> Path:
+    """The tiny ``"llama"`` or ``"hybrid"`` model (seed 0) and the character tokenizer, saved in ``folder``: what the
+    command-line tests load with ``--model``."""
+    from helpers import char_tokenizer
+
+    cls, config = {"llama": (LlamaForCausalLM, llama_config()), "hybrid": (Gemma3ForCausalLM, hybrid_config())}[kind]
+    _build(cls, config, seed=0).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """One hypothesis seed per session, drawn here unless ``--hypothesis-seed`` was given: printed in the header

@@ -44,6 +44,10 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
 
 
+LOCAL_TEXT = " ".join(f"Line {i} of the local text says that the {w} is {c}." for i, (w, c) in enumerate(
+    zip(["cat", "river", "lamp", "door", "tree"] * 40, ["red", "slow", "warm", "shut", "tall"] * 40)))
+"""200 short sentences: a local text for the evaluations that cut windows of natural text (ppl, long decode)."""
+
 WORDS = [f"w{i}" for i in range(200)]  # ids 3..202, inside the tiny models' 256-token vocabulary
 TEXT_WORDS = 1500
 

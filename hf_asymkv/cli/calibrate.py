@@ -29,7 +29,28 @@ def _cmd_calibrate(args) -> int:
     stats = calibrate_model(model, samples, chunk_size=args.chunk_size, top_k=top_k, progress=not args.quiet,
                             tick=Heartbeat("calibrate"))
     _write(args, stats, model.config, plan, time.perf_counter() - start)
+    if args.sensitivity_tokens:
+        _write_sensitivity(args, model, samples[0][:, :args.sensitivity_tokens])
     return 0
+
+
+def _write_sensitivity(args, model, ids) -> None:
+    """Per-layer sensitivity (:func:`~hf_asymkv.calibration.sensitivity.layer_sensitivity`) of the first sample's
+    first ``--sensitivity-tokens`` tokens, as ``<scales stem>.sensitivity.json`` beside the scales file (the
+    scales format is unchanged; the JSON carries its own ``version``)."""
+    import json
+    from pathlib import Path
+
+    from ..calibration.sensitivity import layer_sensitivity
+    from ..core.fileio import atomic_write_text
+    from ..evals.common import Heartbeat
+
+    sensitivity = layer_sensitivity(model, ids, queries=min(16, ids.shape[1] // 2), tick=Heartbeat("sensitivity"))
+    out = Path(args.out).expanduser()
+    path = out.with_name(out.stem + ".sensitivity.json")
+    atomic_write_text(path, json.dumps({"model_id": args.model, "data": args.data, **sensitivity}, indent=1))
+    print(f"wrote {path} (attention KL per layer for {len(sensitivity['keys'])} key and "
+          f"{len(sensitivity['values'])} value widths, {ids.shape[1]} tokens)")
 
 
 def _samples(args, texts, model, tokenizer):
@@ -118,6 +139,10 @@ def add_parser(sub) -> None:
                    help="for --statistic percentile, in (0, 100)")
     p.add_argument("--out", type=output_file, default="kv_scales.safetensors",
                    help="output file (default kv_scales.safetensors)")
+    p.add_argument("--sensitivity-tokens", type=at_least(2, zero_ok=True), default=2048,
+                   help="tokens of the first sample on which each layer's sensitivity is measured (the attention KL "
+                   "its keys and values cost at each width, written as <out stem>.sensitivity.json for per-layer "
+                   "allocation; 0 skips it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (a line about once a minute still says "
                    "where the run is)")
     p.set_defaults(func=_cmd_calibrate)

@@ -1,7 +1,10 @@
-"""`hf-asymkv eval synthetic | needle | attention | ppl | frontier | report`: arguments, checks before the model loads, output.
+"""`hf-asymkv eval synthetic | needle | attention | ppl | long-decode | frontier | report`: arguments, checks before
+the model loads, output.
 
 Every command prints its markdown table; with ``--out DIR`` it also writes ``<name>.json`` (rows, summary,
 the exact command, model, versions, seeds, threads), ``<name>.md`` and its PNG figure, each atomically.
+The model commands take ``--stress-outliers`` (:mod:`hf_asymkv.evals.stress`): the model then gets synthetic key
+outliers, and every table, file and figure title says it is a stress case.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..bench.schemes import scheme_names
+from ..bench.schemes import PRESET_NAMES, scheme_names
 from ..evals.needle import TASKS
+from ..evals.stress import OUTLIER_PRESETS, parse_outlier_spec, stress_description
 from .args import (
     add_model_args,
     add_threads_arg,
@@ -33,6 +37,7 @@ __all__ = ["add_parser"]
 
 DEFAULT_SCHEMES = ("dynamic,hf-quanto-int4,hf-fp8,asymkv,asymkv-fp8,k4v4-sym,k4v8-inverted,int8-per-tensor,"
                    "asymkv-sinks4,asymkv-w32,asymkv-w512")
+LONG_DECODE_SCHEMES = ",".join(["dynamic", *(f"asymkv-{name}" for name in PRESET_NAMES), "hf-fp8", "hf-quanto-int4"])
 
 
 def _prepare(args, needs_text: bool, lengths: dict[str, list[int]]):
@@ -44,6 +49,7 @@ def _prepare(args, needs_text: bool, lengths: dict[str, list[int]]):
     """
     from ..evals.common import check_length, check_schemes, schemes_for
     from ..evals.haystack import load_text
+    from ..evals.stress import layer_ratios, stress_model
     from ..models import load_config
     from ..plots import require_matplotlib
 
@@ -52,13 +58,33 @@ def _prepare(args, needs_text: bool, lengths: dict[str, list[int]]):
     for flag, values in lengths.items():
         for length in values:
             check_length(config, length, flag)
+    if args.stress_outliers:  # layers named by the spec exist: checked before the weights load
+        layer_ratios(parse_outlier_spec(args.stress_outliers), config.get_text_config(decoder=True).num_hidden_layers)
     text, source = load_text(args.text_file) if needs_text else (None, None)
     if args.out:
         require_matplotlib()  # fail now, not after an hour of measuring
     set_threads(args.threads)
     model, tokenizer = load_model_from_args(args)
+    args.stress = stress_model(model, tokenizer, args.stress_outliers) if args.stress_outliers else None
     schemes, skipped = schemes_for(model, schemes)
     return model, tokenizer, schemes, skipped, text, source
+
+
+def _model_name(model: str, stress: str | None) -> str:
+    """The model's name in figure titles: its last path part, and the stress label when it has synthetic outliers
+    (``stress``: the ``--stress-outliers`` spec)."""
+    name = model.split("/")[-1]
+    return f"{name} + key outliers {stress!r} (STRESS CASE)" if stress else name
+
+
+def _headline(model: str, stress: str | None) -> str:
+    """What a table starts with: the stress label for a stress model, nothing otherwise."""
+    return f"**{stress_description(model)}** (`--stress-outliers {stress}`)\n\n" if stress else ""
+
+
+def _stress_of(meta: dict | None) -> str | None:
+    """The ``--stress-outliers`` spec a result file's metadata records, if any."""
+    return ((meta or {}).get("stress_outliers") or {}).get("spec")
 
 
 def _heartbeat(name: str):
@@ -71,10 +97,12 @@ def _heartbeat(name: str):
 def _meta(args, model, seconds: float, **settings) -> dict:
     from ..evals.common import run_meta
 
-    return run_meta(model, args.model, command_line(args), seconds=round(seconds, 1), **settings)
+    stress = {"stress_outliers": args.stress} if args.stress_outliers else {}
+    return run_meta(model, args.model, command_line(args), seconds=round(seconds, 1), **stress, **settings)
 
 
 def _write_md(path: Path, meta: dict, table: str) -> None:
+    """``Command: ...`` then ``table`` (which starts with the stress label of a stress model, :func:`_headline`)."""
     from ..core.fileio import atomic_write_text
 
     atomic_write_text(path, f"Command: `{meta['command']}`\n\n{table}\n")
@@ -98,8 +126,8 @@ def _cmd_needle(args) -> int:
     by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
     agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
                  for s in schemes}
-    table = needle_markdown(by_length, by_task, args.lengths, tasks, agreement, flips([asdict(r) for r in rows]),
-                            skipped)
+    table = _headline(args.model, args.stress_outliers) + needle_markdown(
+        by_length, by_task, args.lengths, tasks, agreement, flips([asdict(r) for r in rows]), skipped)
     print(table)
     if args.out:
         out = Path(args.out)
@@ -112,8 +140,8 @@ def _cmd_needle(args) -> int:
             "same_tokens_as_full": agreement, "heatmaps": grids, "rows": [asdict(r) for r in rows]})
         _write_md(out / "needle.md", meta, table)
         plot_needle_heatmaps(grids, args.lengths, args.depths,
-                             f"{args.model.split('/')[-1]}: needle accuracy ({args.haystack} haystack, "
-                             f"{', '.join(tasks)})", out / "needle_heatmaps.png")
+                             f"{_model_name(args.model, args.stress_outliers)}: needle accuracy "
+                             f"({args.haystack} haystack, {', '.join(tasks)})", out / "needle_heatmaps.png")
     return 0
 
 
@@ -131,7 +159,7 @@ def _cmd_attention(args) -> int:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else None
     induction = induction_scores(model, seed=args.seed, prefix_ids=bos)
     seconds = time.perf_counter() - start
-    table = attention_markdown(rows, induction, skipped)
+    table = _headline(args.model, args.stress_outliers) + attention_markdown(rows, induction, skipped)
     print(table)
     if args.out:
         out = Path(args.out)
@@ -140,8 +168,8 @@ def _cmd_attention(args) -> int:
         write_json(out / "attention.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                             "induction": induction, "rows": [asdict(r) for r in rows]})
         _write_md(out / "attention.md", meta, table)
-        plot_attention_layers(rows, induction, f"{args.model.split('/')[-1]}, {args.length} tokens, last "
-                              f"{args.queries} queries", out / "attention_layers.png")
+        plot_attention_layers(rows, induction, f"{_model_name(args.model, args.stress_outliers)}, {args.length} "
+                              f"tokens, last {args.queries} queries", out / "attention_layers.png")
     return 0
 
 
@@ -156,7 +184,7 @@ def _cmd_ppl(args) -> int:
     rows = run_ppl(model, tokenizer, schemes, text, args.length, args.windows, args.prefix, args.chunk,
                    show_progress=not args.quiet, tick=_heartbeat("ppl"))
     seconds = time.perf_counter() - start
-    table = ppl_markdown(rows, skipped)
+    table = _headline(args.model, args.stress_outliers) + ppl_markdown(rows, skipped)
     print(table)
     if args.out:
         meta = _meta(args, model, seconds, text_source=source, length=args.length, windows=args.windows,
@@ -164,15 +192,40 @@ def _cmd_ppl(args) -> int:
         write_json(Path(args.out) / "ppl.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                                  "rows": [asdict(r) for r in rows]})
         _write_md(Path(args.out) / "ppl.md", meta, table)
-        _plot_ppl(Path(args.out), meta["model"], [asdict(r) for r in rows], args.length)
+        _plot_ppl(Path(args.out), _model_name(args.model, args.stress_outliers), [asdict(r) for r in rows],
+                  args.length)
     return 0
 
 
-def _plot_ppl(folder: Path, model: str, rows: list[dict], length: int) -> None:
+def _plot_ppl(folder: Path, name: str, rows: list[dict], length: int) -> None:
     from ..evals.figures import plot_ppl
 
-    plot_ppl(rows, f"{model.split('/')[-1]}: perplexity through each scheme ({length}-token windows)",
-             folder / "ppl.png")
+    plot_ppl(rows, f"{name}: perplexity through each scheme ({length}-token windows)", folder / "ppl.png")
+
+
+def _cmd_long_decode(args) -> int:
+    from ..evals.long_decode import long_decode_markdown, plot_long_decode, run_long_decode
+    from ..evals.report import write_json
+
+    model, tokenizer, schemes, skipped, text, source = _prepare(
+        args, True, {"--prompt-length + --steps": [args.prompt_length + args.steps]})
+    start = time.perf_counter()
+    rows = run_long_decode(model, tokenizer, schemes, text, args.prompt_length, args.steps, args.prompts,
+                           args.segment, args.seed, show_progress=not args.quiet, tick=_heartbeat("long-decode"))
+    seconds = time.perf_counter() - start
+    table = _headline(args.model, args.stress_outliers) + long_decode_markdown(rows, args.segment, skipped)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        meta = _meta(args, model, seconds, text_source=source, prompt_length=args.prompt_length, steps=args.steps,
+                     prompts=args.prompts, segment=args.segment, seed=args.seed)
+        write_json(out / "long_decode.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
+                                              "rows": [asdict(r) for r in rows]})
+        _write_md(out / "long_decode.md", meta, table)
+        plot_long_decode(rows, f"{_model_name(args.model, args.stress_outliers)}: {args.steps} tokens after a "
+                         f"{args.prompt_length}-token prompt ({args.prompts} prompt(s))", out / "long_decode.png",
+                         args.segment)
+    return 0
 
 
 def _cmd_report(args) -> int:
@@ -186,16 +239,18 @@ def _cmd_report(args) -> int:
         if not any((folder / f"{name}.json").is_file() for name in ("needle", "attention", "ppl")):
             return 0
     needle, attention, ppl = read_results(folder)
-    table = summary_markdown(needle, attention, ppl)
+    meta = next(part["meta"] for part in (needle, attention, ppl) if part)
+    table = _headline(meta["model"], _stress_of(meta)) + summary_markdown(needle, attention, ppl)
     print(table)
     atomic_write_text(folder / "summary.md", table + "\n")
     if ppl:  # redrawn from the JSON, so a folder from an older run gets the figure too
-        _plot_ppl(folder, ppl["meta"]["model"], ppl["rows"], ppl["meta"]["length"])
+        _plot_ppl(folder, _model_name(ppl["meta"]["model"], _stress_of(ppl["meta"])), ppl["rows"],
+                  ppl["meta"]["length"])
     if needle and ppl:
         delta = {r["scheme"]: r["delta_pct"] for r in ppl["rows"]}
         points = {s: (delta[s], acc["all"]) for s, acc in needle["accuracy_by_length"].items() if s in delta}
-        plot_summary(points, f"{needle['meta']['model'].split('/')[-1]}: perplexity misses what retrieval shows",
-                     folder / "summary.png")
+        name = _model_name(needle["meta"]["model"], _stress_of(needle["meta"]))
+        plot_summary(points, f"{name}: perplexity misses what retrieval shows", folder / "summary.png")
     return 0
 
 
@@ -211,9 +266,11 @@ def _redraw_frontier(folder: Path) -> str:
     meta = data["meta"]
     rows = [FrontierRow(**row) for row in data["rows"]]
     prompts = len(meta["lengths"]) * len(meta["depths"]) * len(meta["tasks"]) * meta["samples"]
-    table = frontier_markdown(rows, prompts, data.get("skipped")) + "\n\n" + pareto_markdown(pareto_check(rows))
+    stress = _stress_of(meta)
+    table = (_headline(meta["model"], stress) + frontier_markdown(rows, prompts, data.get("skipped")) + "\n\n"
+             + pareto_markdown(pareto_check(rows)))
     _write_md(folder / "frontier.md", meta, table)
-    plot_frontier(rows, frontier_title(meta), folder / "frontier.png")
+    plot_frontier(rows, frontier_title({**meta, "model": _model_name(meta["model"], stress)}), folder / "frontier.png")
     return table
 
 
@@ -222,15 +279,17 @@ def _cmd_frontier(args) -> int:
     from ..evals.frontier import run_frontier
     from ..evals.frontier_plot import frontier_title, plot_frontier
 
-    if args.text_file is not None and not args.ppl_length:
-        raise ValueError("--text-file is the Δperplexity text; --ppl-length 0 measures no perplexity")
+    if args.text_file is not None and not args.ppl_length and not args.decode_steps:
+        raise ValueError("--text-file is the Δperplexity and long-decode text; --ppl-length 0 measures no perplexity "
+                         "and --decode-steps 0 no long decode")
     args.schemes = args.schemes or list(FRONTIER_SCHEMES)
     lengths = {"--lengths": args.lengths, "--attention-length": [args.attention_length] if args.attention_length else [],
                "--ppl-length": [args.ppl_length] if args.ppl_length else []}
     model, tokenizer, schemes, skipped, text, source = _prepare(args, args.ppl_length > 0, lengths)
     settings = {"lengths": args.lengths, "depths": args.depths, "tasks": args.tasks, "samples": args.samples,
                 "attention_length": args.attention_length, "bytes_length": args.bytes_length or max(args.lengths),
-                "ppl_length": args.ppl_length, "ppl_windows": args.ppl_windows, "text_source": source,
+                "ppl_length": args.ppl_length, "ppl_windows": args.ppl_windows, "decode_steps": args.decode_steps,
+                "decode_prompt_length": args.decode_prompt_length, "text_source": source,
                 "seed": args.seed}
     start, timeline = time.perf_counter(), []
 
@@ -245,10 +304,10 @@ def _cmd_frontier(args) -> int:
 
     rows = run_frontier(model, tokenizer, schemes, args.lengths, args.depths, args.tasks, args.samples,
                         args.attention_length, args.bytes_length, args.seed, args.ppl_length, args.ppl_windows, text,
-                        show_progress=not args.quiet, tick=_heartbeat("frontier"), on_step=save)
+                        args.decode_steps, args.decode_prompt_length, show_progress=not args.quiet, tick=_heartbeat("frontier"), on_step=save)
     print(write(rows))
     if args.out:
-        plot_frontier(rows, frontier_title({"model": args.model, **settings}), Path(args.out) / "frontier.png")
+        plot_frontier(rows, frontier_title({"model": _model_name(args.model, args.stress_outliers), **settings}), Path(args.out) / "frontier.png")
     return 0
 
 
@@ -261,7 +320,8 @@ def _write_frontier(args, model, rows, schemes, skipped, seconds: float, setting
 
     checks = pareto_check(rows)
     prompts = len(args.lengths) * len(args.depths) * len(args.tasks) * args.samples
-    table = frontier_markdown(rows, prompts, skipped) + "\n\n" + pareto_markdown(checks)
+    table = (_headline(args.model, args.stress_outliers) + frontier_markdown(rows, prompts, skipped) + "\n\n"
+             + pareto_markdown(checks))
     if partial:
         table = (f"**Partial results**: the run stopped or is still running; measured so far: {partial}. "
                  "Unmeasured columns read -.\n\n" + table)
@@ -293,6 +353,25 @@ def _cmd_eval_synthetic(args) -> int:
     return 0
 
 
+def _outlier_spec(text: str) -> str:
+    """argparse ``type=`` of ``--stress-outliers``: a preset name or a well-formed ``LAYER:RATIO`` list."""
+    try:
+        parse_outlier_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--stress-outliers: ")) from None
+    return text
+
+
+def _add_stress_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stress-outliers", type=_outlier_spec, default=None, metavar="SPEC",
+                   help="STRESS CASE: give the model synthetic key outliers without changing its outputs (k_proj rows "
+                   "of a rotary pair x s, the matching q_proj rows x 1/s): a preset "
+                   f"({', '.join(f'{k}: {v}' for k, v in OUTLIER_PRESETS.items())}) or LAYER:RATIO pairs such as "
+                   "'0:150,-1:150,*:10' (each KV head's largest key pair made RATIO x its median pair; -1 is the last "
+                   "layer, * every other). Llama-like attention only (q_proj/k_proj, no q/k norm). Every output is "
+                   "labelled as a stress case")
+
+
 def _results_folder(text: str) -> str | None:
     """Why ``text`` is not an existing folder that ``eval report`` can write its summary into (None: it is)."""
     from ..core.fileio import output_problem
@@ -300,9 +379,11 @@ def _results_folder(text: str) -> str | None:
     return input_problem(text, "folder") or output_problem(text, "folder")
 
 
-def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None) -> None:
+def _common(p: argparse.ArgumentParser, name: str, text_flag: str | None = None,
+            schemes: str = DEFAULT_SCHEMES) -> None:
     add_model_args(p)
-    p.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"), default=DEFAULT_SCHEMES,
+    _add_stress_arg(p)
+    p.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"), default=schemes,
                    help=f"comma-separated scheme names, from: {', '.join(scheme_names())} (dynamic is always "
                    "added first as the reference; schemes a model cannot use are listed as skipped)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
@@ -360,8 +441,19 @@ def add_parser(sub) -> None:
     e.add_argument("--chunk", type=at_least(1), default=64, help="tokens per scoring call")
     e.set_defaults(func=_cmd_ppl)
 
+    e = evals.add_parser("long-decode", help="KL per 64-token segment and greedy agreement along a long generation")
+    _common(e, "long_decode", "--text-file", schemes=LONG_DECODE_SCHEMES)
+    e.add_argument("--prompt-length", type=at_least(1), default=2048,
+                   help="prompt tokens (a window of the text), prefilled in full precision")
+    e.add_argument("--steps", type=at_least(1), default=512,
+                   help="generated tokens teacher-forced through each cache, one per step")
+    e.add_argument("--prompts", type=at_least(1), default=1, help="prompts at evenly spaced text offsets")
+    e.add_argument("--segment", type=at_least(1), default=64, help="steps per KL segment")
+    e.set_defaults(func=_cmd_long_decode)
+
     e = evals.add_parser("frontier", help="bytes vs damage of our settings and every peer format, Pareto check")
     add_model_args(e)
+    _add_stress_arg(e)
     e.add_argument("--schemes", type=name_list(scheme_names(), "cache scheme"), default=None,
                    help=f"comma-separated scheme names, from: {', '.join(scheme_names())} (default: our settings, "
                    "presets, int8-per-tensor, every peer emulation and transformers' QuantizedCache; dynamic always "
@@ -378,7 +470,11 @@ def add_parser(sub) -> None:
     e.add_argument("--ppl-length", type=at_least(3, zero_ok=True), default=2048,
                    help="window length in tokens for Δperplexity, second half scored (0 skips it)")
     e.add_argument("--ppl-windows", type=at_least(1), default=1, help="Δperplexity windows at spread text offsets")
-    _add_text_file(e, "--text-file", " for Δperplexity")
+    e.add_argument("--decode-steps", type=at_least(1, zero_ok=True), default=0,
+                   help="long-decode columns (eval long-decode): generated tokens per prompt (0, the default, skips "
+                   "them; 512 is the evaluation's own default)")
+    e.add_argument("--decode-prompt-length", type=at_least(1), default=2048, help="long-decode prompt tokens")
+    _add_text_file(e, "--text-file", " for Δperplexity and the long-decode prompts")
     e.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_threads_arg(e)
     e.add_argument("--quiet", action="store_true", help="no progress bars (a line about once a minute still says "

@@ -14,6 +14,10 @@ For each scheme we record
   ``ppl_windows`` windows of ``ppl_length`` tokens of natural text (:func:`.ppl.run_ppl`: the second half of each
   window is scored through the scheme's quantized history; default text: the built-in corpus of :mod:`.haystack`),
   when ``ppl_length`` > 0. It can be slightly negative: quantization noise that happens to help on that text.
+- **long-decode damage** (:func:`.long_decode.run_long_decode`), when ``decode_steps`` > 0: the KL of the last
+  64-step segment of a ``decode_steps``-token generation teacher-forced through the cache, and the greedy
+  agreement (steps before the first token that differs from full precision). The KL counts in the Pareto check
+  below as one more damage metric (``decode KL``).
 
 The Pareto check: a peer *passes* (is matched) when one of our settings spends no more bytes
 (``x_smaller`` at least the peer's) and is at least as accurate on every measured metric (needle prompts lost,
@@ -43,6 +47,7 @@ from ..core.shapes import layer_shapes
 from .attention import run_attention
 from .common import progress
 from .haystack import load_text
+from .long_decode import check_long_decode_args, run_long_decode
 from .ppl import check_ppl_args, ppl_rows, score_window, text_windows
 from .report import flips, plural
 from .retrieval import answer_prompt, check_grid, needle_prompts
@@ -88,6 +93,8 @@ class FrontierRow:
     ppl: float = float("nan")  # perplexity through the scheme's cache on the ppl windows
     delta_ppl_pct: float = float("nan")  # 100 * (ppl - full-precision ppl) / full-precision ppl; NaN: not measured
     delta_ppl_se: float = 0.0  # standard error of delta_ppl_pct (per-token NLL differences, .ppl.run_ppl)
+    decode_kl: float = float("nan")  # long decode: KL of the last 64-step segment, nats; NaN: not measured
+    decode_agreement: float = float("nan")  # long decode: greedy steps equal to full precision's, mean over prompts
     description: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -124,7 +131,8 @@ class FrontierProgress:
     """What a frontier run has measured so far, by phase; :meth:`rows` turns it into table rows at any point, so
     that a run stopped midway leaves the rows of what it finished (unmeasured metrics are NaN).
 
-    ``steps``: per phase, ``[done, total]`` units: attention prompts, ppl windows, needle prompts.
+    ``steps``: per phase, ``[done, total]`` units: attention prompts, ppl windows, long-decode prompts, needle
+    prompts.
     """
 
     schemes: list[str]
@@ -133,6 +141,7 @@ class FrontierProgress:
     needle: list = field(default_factory=list)  # NeedleRow of the prompts answered
     attention: dict = field(default_factory=dict)  # scheme -> AttentionRow
     ppl: dict = field(default_factory=dict)  # scheme -> PplRow over the windows scored
+    decode: dict = field(default_factory=dict)  # scheme -> LongDecodeRow
 
     @property
     def complete(self) -> bool:
@@ -149,25 +158,27 @@ class FrontierProgress:
             per_scheme[r.scheme].append(r)
         out = []
         for name in self.schemes:
-            mine, att, p = per_scheme[name], self.attention.get(name), self.ppl.get(name)
+            mine, att, p, d = per_scheme[name], self.attention.get(name), self.ppl.get(name), self.decode.get(name)
             out.append(FrontierRow(
                 name, kind_of(name), self.nbytes[name], self.nbytes["dynamic"] / self.nbytes[name],
                 _mean([float(r.correct) for r in mine]), *flipped.get(name, (0, 0)), _mean([r.tail_kl for r in mine]),
                 att.kl_mean if att else float("nan"), _mean(att.topk["8"]) if att else float("nan"),
                 ppl=p.ppl if p else float("nan"), delta_ppl_pct=p.delta_pct if p else float("nan"),
-                delta_ppl_se=p.delta_pct_se if p else 0.0, description=SCHEMES[name][0]))
+                delta_ppl_se=p.delta_pct_se if p else 0.0, decode_kl=d.segments[-1] if d else float("nan"),
+                decode_agreement=d.agreement_mean if d else float("nan"), description=SCHEMES[name][0]))
         return out
 
 
 def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depths: list[float], tasks: list[str],
                  samples: int = 1, attention_length: int = 0, bytes_length: int | None = None, seed: int = 0,
-                 ppl_length: int = 0, ppl_windows: int = 1, text: str | None = None, show_progress: bool = True,
+                 ppl_length: int = 0, ppl_windows: int = 1, text: str | None = None, decode_steps: int = 0,
+                 decode_prompt_length: int = 2048, show_progress: bool = True,
                  tick: Callable[[str], None] | None = None,
                  on_step: Callable[[FrontierProgress], None] | None = None) -> list[FrontierRow]:
     """Bytes, needle accuracy and damage of every scheme (``schemes[0]`` must be ``dynamic``).
 
-    Measured in this order: bytes (seconds), attention KL (one prompt), Δppl (per window), needle prompts (the
-    longest part, one prompt at a time); ``on_step`` receives the :class:`FrontierProgress` after each unit, so a
+    Measured in this order: bytes (seconds), attention KL (one prompt), Δppl (per window), long decode (one
+    prompt), needle prompts (the longest part, one prompt at a time); ``on_step`` receives the :class:`FrontierProgress` after each unit, so a
     caller can save partial results as they come.
 
     Args:
@@ -176,7 +187,8 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
         bytes_length: tokens for the byte count (default: the longest needle length).
         ppl_length, ppl_windows: perplexity windows (:func:`.ppl.run_ppl`, default prefix and chunk; 0: not
             measured).
-        text: the perplexity text (default: the built-in corpus, :func:`.haystack.load_text`).
+        text: the perplexity and long-decode text (default: the built-in corpus, :func:`.haystack.load_text`).
+        decode_steps, decode_prompt_length: the long-decode measurement (one prompt; 0 steps: not measured).
         tick: called after each (unit, scheme) with where the run is (:class:`.common.Heartbeat`).
 
     Every scheme must be able to build a cache for the model: filter with :func:`.common.schemes_for` first
@@ -187,15 +199,18 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
             ``ppl_length`` tokens: checked first, before anything runs).
     """
     windows, prefix = [], 0
+    text = load_text(None)[0] if text is None and (ppl_length or decode_steps) else text
     if ppl_length:  # first: a text too short for the window fails before anything runs
         prefix = check_ppl_args(model, ppl_length, ppl_windows, None, 64, schemes)
-        windows = text_windows(tokenizer, load_text(None)[0] if text is None else text, ppl_length, ppl_windows)
+        windows = text_windows(tokenizer, text, ppl_length, ppl_windows)
+    if decode_steps:
+        check_long_decode_args(model, tokenizer, schemes, text, decode_prompt_length, decode_steps)
     check_grid(model, lengths, depths, tasks, samples)
     prompts = list(needle_prompts(tokenizer, lengths, depths, tasks, samples, "noise", None, seed))
     tokens = bytes_length or max(lengths)
     state = FrontierProgress(schemes, {name: scheme_nbytes(name, model.config, tokens, seed) for name in schemes},
                              {"attention prompts": [0, int(bool(attention_length))], "ppl windows": [0, len(windows)],
-                              "needle prompts": [0, len(prompts)]})
+                              "long-decode prompts": [0, int(bool(decode_steps))], "needle prompts": [0, len(prompts)]})
     report = on_step or (lambda state: None)
     report(state)
     if attention_length:
@@ -209,6 +224,12 @@ def run_frontier(model, tokenizer, schemes: list[str], lengths: list[int], depth
         scored.append(score_window(model, ids, schemes, prefix, tick=where))
         state.ppl = {r.scheme: r for r in ppl_rows(scored, schemes)}
         state.steps["ppl windows"][0] = w
+        report(state)
+    if decode_steps:
+        state.decode = {r.scheme: r for r in run_long_decode(model, tokenizer, schemes, text, decode_prompt_length,
+                                                              decode_steps, seed=seed, show_progress=False,
+                                                              tick=tick)}
+        state.steps["long-decode prompts"][0] = 1
         report(state)
     for n, (sample, task) in enumerate(progress(prompts, total=len(prompts), desc="needle prompts",
                                                 enabled=show_progress), 1):
@@ -227,7 +248,7 @@ def _metrics(row: FrontierRow) -> dict[str, float]:
     """Damage metrics, lower is better, that were measured (NaN ones are left out)."""
     lost = float("nan") if math.isnan(row.needle_accuracy) else row.lost  # NaN accuracy: no prompt answered yet
     values = {"needle lost": lost, "tail KL": row.tail_kl, "attention KL": row.attention_kl,
-              "Δppl %": row.delta_ppl_pct}
+              "Δppl %": row.delta_ppl_pct, "decode KL": row.decode_kl}
     return {k: v for k, v in values.items() if not math.isnan(v)}
 
 
@@ -287,12 +308,14 @@ def _verdict(d: dict) -> str:
 def frontier_markdown(rows: list[FrontierRow], prompts: int, skipped: dict[str, str] | None = None) -> str:
     """One row per scheme, sorted by compression."""
     lines = ["| scheme | kind | KV bytes | x smaller than bf16 | needle acc | lost / gained | tail KL | "
-             "attention KL | top-8 overlap | Δppl % (± s.e.) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "attention KL | top-8 overlap | decode KL, last 64 | greedy agreement | Δppl % (± s.e.) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.x_smaller):
         asked = not math.isnan(r.needle_accuracy)
         needle = f"{100 * r.needle_accuracy:.0f}% | {r.lost} / {r.gained}" if asked else "- | -"
         lines.append(f"| {r.scheme} | {r.kind} | {r.nbytes:,} | {r.x_smaller:.2f} | {needle} | {_fmt(r.tail_kl)} | "
-                     f"{_fmt(r.attention_kl)} | {_fmt(r.attention_top8, 3)} | {_ppl_cell(r)} |")
+                     f"{_fmt(r.attention_kl)} | {_fmt(r.attention_top8, 3)} | {_fmt(r.decode_kl)} | "
+                     f"{_fmt(r.decode_agreement, 3)} | {_ppl_cell(r)} |")
     text = f"Frontier: bytes and damage per scheme ({plural(prompts, 'needle prompt')})\n\n" + "\n".join(lines)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())

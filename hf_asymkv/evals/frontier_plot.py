@@ -32,6 +32,7 @@ PANELS = (
     ("tail next-token KL vs full precision (nats)", "tail_kl", "log"),
     ("attention KL vs full precision (nats)", "attention_kl", "log"),
     ("Δperplexity vs full precision (%)", "delta_ppl_pct", "symlog"),
+    ("long-decode KL, last 64 generated tokens (nats)", "decode_kl", "log"),
 )
 """(y label, FrontierRow field, y scale) of each panel."""
 
@@ -43,6 +44,8 @@ def frontier_title(meta: dict) -> str:
             f"{','.join(map(str, meta['lengths']))} tokens")
     if meta.get("ppl_length"):
         text += f"; Δppl on {plural(meta['ppl_windows'], str(meta['ppl_length']) + '-token text window')}"
+    if meta.get("decode_steps"):
+        text += f"; long decode: {meta['decode_steps']} tokens after {meta['decode_prompt_length']}"
     return text + ")"
 
 

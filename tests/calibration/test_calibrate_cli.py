@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import llama_config
 
+from hf_asymkv.calibration.allocate import check_sensitivity
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.calibration.data import load_texts, pack_samples
 from hf_asymkv.cli import main
@@ -31,7 +32,12 @@ def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
     assert calibrate(workdir, out) == 0
     captured = capsys.readouterr()
     report_path = tmp_path / "results" / "kv_scales.report.json"
-    assert sorted(p.name for p in out.parent.iterdir()) == ["kv_scales.report.json", "kv_scales.safetensors"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["kv_scales.report.json", "kv_scales.safetensors",
+                                                            "kv_scales.sensitivity.json"]
+    sensitivity = json.loads((tmp_path / "results" / "kv_scales.sensitivity.json").read_text())
+    check_sensitivity(sensitivity)  # a file the allocation reads: per layer, a cost per key and value width
+    assert sensitivity["layers"] == [0, 1] and sensitivity["model_id"] == str(workdir / "model")
+    assert sensitivity["keys"]["int2"][0] > sensitivity["keys"]["int8"][0]
 
     model, tokenizer = load_model(str(workdir / "model"))
     scales = KVScales.load(out, config=model.config)
@@ -58,7 +64,9 @@ def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
     assert [line.split()[0] for line in lines[1:3]] == ["0", "1"]
     assert "No layer's long-context key range exceeds" in captured.out
     k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
-    summary = lines[-1]
+    summary, written = lines[-2:]
+    assert written == (f"wrote {tmp_path / 'results' / 'kv_scales.sensitivity.json'} (attention KL per layer for 7 "
+                       "key and 4 value widths, 128 tokens)")
     assert summary.startswith(f"wrote {out} (2 layers, 3 x 128 tokens from 384 distinct text tokens, absmax")
     assert str(report_path) in summary and "warning" not in captured.err
     assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "384", "1.0")
@@ -97,7 +105,7 @@ def test_text_read_more_than_once_is_warned_and_recorded(workdir, tmp_path, caps
     assert calibrate(workdir, out, "--num-samples", "20") == 0
     captured = capsys.readouterr()
     assert "warning: 20 x 128 sample tokens from 1,501 distinct text tokens: the text is read 1.7 times" in captured.err
-    assert "x 128 tokens from 1,501 distinct text tokens, read 1.7 times," in captured.out.splitlines()[-1]
+    assert "x 128 tokens from 1,501 distinct text tokens, read 1.7 times," in captured.out.splitlines()[-2]
     meta = KVScales.load(out).metadata
     assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "1501", "1.71")
     assert json.loads((tmp_path / "kv.report.json").read_text())["meta"]["distinct_tokens"] == 1501
@@ -175,7 +183,7 @@ def test_failed_run_leaves_an_existing_output_intact(workdir, tmp_path):
     before = out.read_bytes(), (tmp_path / "kv.report.json").read_text()
     assert calibrate(workdir, out, "--seq-len", "5000") == 2
     assert (out.read_bytes(), (tmp_path / "kv.report.json").read_text()) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.report.json", "kv.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv.report.json", "kv.safetensors", "kv.sensitivity.json"]
 
 
 @pytest.mark.parametrize(
@@ -189,9 +197,10 @@ def test_failed_run_leaves_an_existing_output_intact(workdir, tmp_path):
      (["--chunk-size", "0"], "argument --chunk-size: must be >= 1, got 0"),
      (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
      (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
-     (["--model", "/nonexistent/model"], "argument --model: model '/nonexistent/model': no such folder")],
+     (["--model", "/nonexistent/model"], "argument --model: model '/nonexistent/model': no such folder"),
+     (["--sensitivity-tokens", "1"], "argument --sensitivity-tokens: must be 0 or >= 2, got 1")],
     ids=["statistic", "seq-len", "dtype", "percentile-150", "percentile-150-absmax", "percentile-0", "chunk-size-0",
-         "seq-len-0", "num-samples-0", "missing-model-folder"],
+         "seq-len-0", "num-samples-0", "missing-model-folder", "sensitivity-tokens-1"],
 )
 def test_argparse_errors_exit_2(workdir, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as info:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from conftest import llama_config
-from helpers import char_tokenizer
+from helpers import LOCAL_TEXT, char_tokenizer
 from transformers import DynamicCache
 
 from hf_asymkv import cache_kwargs
@@ -27,8 +27,7 @@ from hf_asymkv.evals.retrieval import accuracy_table, heatmap_grid, run_needle
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TEXT = " ".join(f"Line {i} of the local text says that the {w} is {c}." for i, (w, c) in
-                enumerate(zip(["cat", "river", "lamp", "door", "tree"] * 40, ["red", "slow", "warm", "shut", "tall"] * 40)))
+TEXT = LOCAL_TEXT
 
 
 @pytest.fixture(scope="module")

@@ -78,6 +78,7 @@ def test_one_panel_per_measured_metric_and_the_number_table(plt, tmp_path, monke
     rows = _rows()
     for r in rows:
         r.attention_kl = float("nan")  # not measured: its panel is left out
+        r.decode_kl = r.tail_kl * 2  # measured (the committed run has no long decode): its panel is drawn
     path = plot_frontier(rows, "t", tmp_path / "f.png")
     assert path.read_bytes().startswith(PNG_MAGIC)
     labels = [ax.get_ylabel().split("\n")[0] for ax in drawn if ax.axison]
