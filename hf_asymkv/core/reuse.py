@@ -34,9 +34,15 @@ class ReuseWatch:
         self.layer_idx = layer_idx
         self.decoding = False  # the last update was a decode step
         self.warned = False
+        self.rollbacks = 0  # the layer's rollback count at the last update
 
-    def update(self, tokens: int, held: int, recording: bool) -> None:
-        """Record one update of ``tokens`` tokens onto a layer holding ``held`` tokens; warn by the rule."""
+    def update(self, tokens: int, held: int, recording: bool, rollbacks: int = 0) -> None:
+        """Record one update of ``tokens`` tokens onto a layer holding ``held`` tokens, which has been rolled back
+        ``rollbacks`` times in all (a crop since the last update, e.g. kvpress's pipeline slicing the cache back to
+        its context, is one asked for: no warning); warn by the rule."""
+        if rollbacks != self.rollbacks:
+            self.rollbacks = rollbacks
+            self.rewound()
         if tokens > 1 and self.decoding and not recording and not self.warned:
             self.warned = True
             warnings.warn(CacheReuseWarning(
