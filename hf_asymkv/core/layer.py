@@ -173,6 +173,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self.check_no_half_assignment()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.settle()  # a held update is quantized before anything reads past it (the cache usually did it already)
         n = key_states.shape[-2]
         ks = self.key_store
         if self.cumulative_length == 0 and n and self.sink_tokens:
