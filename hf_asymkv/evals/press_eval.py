@@ -12,11 +12,17 @@ history, and the answer is decoded greedily. For each prompt:
 - each press x preset: the same, on the preset's :class:`~hf_asymkv.AsymKVCache` (the real composition: the press
   reads each layer's exact prefill and assigns the tokens it keeps, which the layer quantizes once).
 
+The question is fed at the context's positions (``position_ids`` from the context length on), as kvpress's
+pipeline feeds it: a press leaves fewer tokens in the cache than the context had.
+
 Recorded per run: the real **bytes** the cache holds after the context (:func:`hf_asymkv.bench.memory.cache_nbytes`:
-every tensor, capacity included, after :meth:`AsymKVCache.settle`), against a bf16 ``DynamicCache`` holding the
-whole context (``x_smaller``); the **answer** (correct or not; lost/gained against full precision and against the
-press alone); the **tail KL**: mean KL(full || run) of the question tokens' next-token distributions, nats, and
-the same against the press alone (what the quantization adds to the press).
+every tensor, capacity included, after :meth:`AsymKVCache.settle`: no dense copy of the prefill is left to count),
+and ``bf16_nbytes``, the same tensors with those held in the model's dtype (a ``DynamicCache``'s K/V; our exact
+sinks and window, by :meth:`AsymKVCache.memory_footprint`'s parts) counted at 2 bytes per element: what the cache
+holds on a bf16 model, compared with a bf16 ``DynamicCache`` holding the whole context (``x_smaller``); the
+**answer** (correct or not; lost/gained against full precision and against the press alone); the **tail KL**:
+mean KL(full || run) of the question tokens' next-token distributions, nats, and the same against the press alone
+(what the quantization adds to the press).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class PressRun:
     context_tokens: int
     kept_tokens: int  # tokens the first layer holds after the context
     nbytes: int  # real bytes held after the context
+    bf16_nbytes: int  # the same, tensors in the model's dtype counted at 2 bytes per element
+    exact_bf16_nbytes: int  # the part of bf16_nbytes held exact (a DynamicCache: all; ours: sinks and window)
     bf16_full_bytes: int  # a bf16 DynamicCache holding the whole context
     answer: str
     correct: bool
@@ -87,11 +95,21 @@ def context_and_question(tokenizer, task) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[None, :n], ids[None, n:]
 
 
-def _held(cache) -> tuple[int, int]:
-    """``(real bytes, tokens held by the first layer)`` after the context."""
+EXACT_PARTS = ("sink_keys", "sink_values", "window_keys", "window_values", "padded_sink_keys", "padded_sink_values",
+               "full_precision_layers")
+"""The parts of :meth:`AsymKVCache.memory_footprint` held in the model's dtype."""
+
+
+def _held(cache, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(real bytes, bytes on a bf16 model, of which held exact, tokens held by the first layer)`` after the
+    context."""
+    nbytes = cache_nbytes(cache)  # settles our cache first: the last layer's update is quantized, as the question's
+    in_model_dtype = nbytes  # first update would do
     if isinstance(cache, AsymKVCache):
-        cache.settle()  # quantize the last layer's update now, as the question's first update would
-    return cache_nbytes(cache), cache.get_seq_length()
+        parts = cache.memory_footprint()
+        in_model_dtype = sum(parts.get(name, 0) for name in EXACT_PARTS)
+    exact = in_model_dtype * 2 // dtype.itemsize
+    return nbytes, nbytes - in_model_dtype + exact, exact, cache.get_seq_length()
 
 
 def _prefill(model, context: torch.Tensor, cache, press=None):
@@ -105,8 +123,9 @@ def _prefill(model, context: torch.Tensor, cache, press=None):
     return cache
 
 
-def _answer(model, tokenizer, task, cache, question: torch.Tensor) -> tuple[torch.Tensor, list[int], str, bool]:
-    logits, tokens = tail_and_decode(model, cache, question, task.max_new)
+def _answer(model, tokenizer, task, cache, context: torch.Tensor, question: torch.Tensor):
+    """``(question logits, tokens, answer, correct)``, the question at the context's positions."""
+    logits, tokens = tail_and_decode(model, cache, question, task.max_new, start=context.shape[1])
     answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
     return logits, tokens, answer, score_task(answer, task)[0]
 
@@ -132,21 +151,21 @@ def press_prompt(model, tokenizer, task, sample: int, presses: list[str], preset
     bf16_full = None
     results = {}
     for press, preset, cache in _caches(model, context, presses, presets, ratio):
-        nbytes, kept = _held(cache)
+        held = _held(cache, model.dtype)
         if not press and not preset:
             bf16_full = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers) * 2
-        results[(press, preset)] = (nbytes, kept, *_answer(model, tokenizer, task, cache, question))
+        results[(press, preset)] = (*held, *_answer(model, tokenizer, task, cache, context, question))
         del cache
         if tick:
             tick(run_name(press, preset))
-    full_logits = results[("", "")][2]
+    full_logits = results[("", "")][4]
     runs = []
-    for (press, preset), (nbytes, kept, logits, _, answer, correct) in results.items():
+    for (press, preset), (nbytes, bf16_nbytes, exact, kept, logits, _, answer, correct) in results.items():
         kl = kl_top1(full_logits, logits)[0]
-        vs_press = kl_top1(results[(press, "")][2], logits)[0] if press and preset else [float("nan")]
+        vs_press = kl_top1(results[(press, "")][4], logits)[0] if press and preset else [float("nan")]
         runs.append(PressRun(run_name(press, preset), press, preset, task.task, task.length, task.depth, sample,
-                             context.shape[1], kept, nbytes, bf16_full, answer, correct, sum(kl) / len(kl),
-                             sum(vs_press) / len(vs_press)))
+                             context.shape[1], kept, nbytes, bf16_nbytes, exact, bf16_full, answer, correct,
+                             sum(kl) / len(kl), sum(vs_press) / len(vs_press)))
     return runs
 
 

@@ -23,9 +23,11 @@ def _mean(values: list[float]) -> float:
 
 
 def press_summary(runs: list) -> list[dict]:
-    """Per configuration (in first-seen order): bytes and ``x_smaller`` (bf16 ``DynamicCache`` of the whole context
-    / bytes held, summed over prompts) overall and per length, kept fraction, needle accuracy, lost/gained against
-    full precision and against the press alone, tail KL against both."""
+    """Per configuration: real bytes held, and ``x_smaller`` (bf16 ``DynamicCache`` of the whole context / bytes
+    held on a bf16 model, summed over prompts) overall and per length, the share of those bytes held exact (our
+    sinks and window: why a press x preset falls short of the press's and the preset's ratios multiplied), kept
+    fraction, needle accuracy, lost/gained against full precision and against the press alone, tail KL against
+    both."""
     by_run: dict[str, list] = defaultdict(list)
     for r in runs:
         by_run[r.run].append(r)
@@ -41,12 +43,13 @@ def press_summary(runs: list) -> list[dict]:
         per_length = defaultdict(lambda: [0, 0])
         for r in mine:
             per_length[r.length][0] += r.bf16_full_bytes
-            per_length[r.length][1] += r.nbytes
+            per_length[r.length][1] += r.bf16_nbytes
         rows.append({
             "run": name, "press": first.press, "preset": first.preset, "prompts": len(mine),
-            "nbytes": sum(r.nbytes for r in mine),
-            "x_smaller": sum(r.bf16_full_bytes for r in mine) / sum(r.nbytes for r in mine),
+            "nbytes": sum(r.nbytes for r in mine), "bf16_nbytes": sum(r.bf16_nbytes for r in mine),
+            "x_smaller": sum(r.bf16_full_bytes for r in mine) / sum(r.bf16_nbytes for r in mine),
             "x_smaller_by_length": {str(n): f / b for n, (f, b) in sorted(per_length.items())},
+            "exact_share": sum(r.exact_bf16_nbytes for r in mine) / sum(r.bf16_nbytes for r in mine),
             "kept_fraction": _mean([r.kept_tokens / r.context_tokens for r in mine]),
             "accuracy": _mean([float(r.correct) for r in mine]),
             "lost_gained_vs_full": _flips(mine, full),
@@ -64,15 +67,21 @@ def _fmt(x: float) -> str:
 def press_markdown(rows: list[dict], prompts: int, ratio: float) -> str:
     """The markdown table of :func:`press_summary` rows."""
     lengths = list(rows[0]["x_smaller_by_length"]) if rows else []
-    header = ("| run | kept | x smaller than bf16 | " + "".join(f"x at {n} | " for n in lengths)
+    header = ("| run | kept | MB held (model dtype) | exact share | x smaller than bf16 | "
+              + "".join(f"x at {n} | " for n in lengths)
               + "needle acc | lost / gained vs full | lost / gained vs press alone | tail KL vs full | "
               "tail KL vs press alone |")
-    lines = [header, "|---|" + "---:|" * (7 + len(lengths))]
+    lines = [header, "|---|" + "---:|" * (9 + len(lengths))]
     for r in rows:
         vs_press = "{} / {}".format(*r["lost_gained_vs_press"]) if r["lost_gained_vs_press"] else "-"
         by_length = "".join(f"{x:.2f} | " for x in r["x_smaller_by_length"].values())
-        lines.append(f"| {r['run']} | {100 * r['kept_fraction']:.0f}% | {r['x_smaller']:.2f} | {by_length}"
+        mb = r["nbytes"] / r["prompts"] / 2**20
+        lines.append(f"| {r['run']} | {100 * r['kept_fraction']:.0f}% | {mb:.1f} | {100 * r['exact_share']:.0f}% | "
+                     f"{r['x_smaller']:.2f} | {by_length}"
                      f"{100 * r['accuracy']:.0f}% | {r['lost_gained_vs_full'][0]} / {r['lost_gained_vs_full'][1]} | "
                      f"{vs_press} | {_fmt(r['tail_kl'])} | {_fmt(r['tail_kl_vs_press'])} |")
     return (f"Presses x presets: bytes held after the context and damage ({plural(prompts, 'needle prompt')}, "
-            f"compression ratio {ratio:g})\n\n" + "\n".join(lines))
+            f"compression ratio {ratio:g}). MB held: real tensors, mean per prompt. x smaller: a bf16 DynamicCache "
+            "of the whole context over the same tensors on a bf16 model (exact parts at 2 bytes per element). "
+            "Exact share: the part of those bytes held exact (a DynamicCache: all; a preset: its sinks and window)."
+            "\n\n" + "\n".join(lines))
