@@ -59,7 +59,7 @@ def _cmd_press(args) -> int:
     prompts = len(args.lengths) * len(args.depths) * len(args.tasks) * args.samples
     settings = {"presses": args.presses, "presets": args.presets, "compression_ratio": args.compression_ratio,
                 "lengths": args.lengths, "depths": args.depths, "tasks": args.tasks, "samples": args.samples,
-                "seed": args.seed, "haystack": "noise"}
+                "seed": args.seed, "haystack": "noise", "window": args.window}
 
     def write(runs) -> str:
         return _write(args, run_meta(model, args.model, command_line(args), seconds=round(time.perf_counter() - start,
@@ -68,7 +68,7 @@ def _cmd_press(args) -> int:
 
     runs = run_press_grid(model, tokenizer, args.presses, args.presets, args.compression_ratio, args.lengths,
                           args.depths, args.tasks, args.samples, args.seed, on_prompt=write if args.out else None,
-                          tick=None if args.quiet else Heartbeat("eval press"))
+                          tick=None if args.quiet else Heartbeat("eval press"), window=args.window)
     print(write(runs))
     return 0
 
@@ -102,6 +102,9 @@ def add_parser(evals) -> None:
                    help="fraction of the context's tokens each press drops, in [0, 1) (default 0.5)")
     e.add_argument("--presets", type=name_list(PRESET_NAMES, "preset"), default="compact",
                    help=f"comma-separated presets, alone and under each press, from: {', '.join(PRESET_NAMES)}")
+    e.add_argument("--window", type=at_least(0), default=None,
+                   help="every preset's exact window (residual_length) instead of its own, e.g. 16: the same bytes "
+                        "per quantized token, fewer tokens held exact (runs are named 'compact, window 16')")
     e.add_argument("--lengths", type=int_list, default="2048,4096", help="needle token budgets (default 2048,4096)")
     e.add_argument("--depths", type=fraction_list, default="0.2,0.5,0.8", help="needle depths in [0, 1]")
     e.add_argument("--tasks", type=name_list(TASKS, "task"), default="single,multikey",

@@ -41,7 +41,7 @@ from .needle import score_task
 from .presses import make_press
 from .retrieval import check_grid, needle_prompts
 
-__all__ = ["PressRun", "context_and_question", "run_name", "run_press_grid"]
+__all__ = ["PressRun", "context_and_question", "preset_label", "run_name", "run_press_grid"]
 
 
 @dataclass
@@ -130,27 +130,37 @@ def _answer(model, tokenizer, task, cache, context: torch.Tensor, question: torc
     return logits, tokens, answer, score_task(answer, task)[0]
 
 
-def _caches(model, context: torch.Tensor, presses: list[str], presets: list[str], ratio: float):
-    """Yield ``(press, preset, cache)`` after the context, the reference ``("", "", DynamicCache)`` first."""
+def preset_label(preset: str, window: int | None) -> str:
+    """The preset's name in run names: ``"compact"``, or ``"compact, window 16"`` with its window overridden."""
+    return preset if window is None else f"{preset}, window {window}"
+
+
+def _caches(model, context: torch.Tensor, presses: list[str], presets: list[str], ratio: float,
+            window: int | None = None):
+    """Yield ``(press, preset label, cache)`` after the context, the reference ``("", "", DynamicCache)`` first."""
     config = model.config
+    overrides = {} if window is None else {"residual_length": window}
+
+    def ours(preset: str) -> AsymKVCache:
+        return AsymKVCache.from_preset(preset, config, **overrides)
+
     reference = _prefill(model, context, DynamicCache())
     for preset in presets:  # from the reference prefill, before the reference reads its question
-        yield "", preset, cache_from_prefix(AsymKVCache.from_preset(preset, config), reference)
+        yield "", preset_label(preset, window), cache_from_prefix(ours(preset), reference)
     yield "", "", reference
     for name in presses:
         yield name, "", _prefill(model, context, DynamicCache(), make_press(name, ratio))
         for preset in presets:
-            yield name, preset, _prefill(model, context, AsymKVCache.from_preset(preset, config),
-                                         make_press(name, ratio))
+            yield name, preset_label(preset, window), _prefill(model, context, ours(preset), make_press(name, ratio))
 
 
 def press_prompt(model, tokenizer, task, sample: int, presses: list[str], presets: list[str], ratio: float,
-                 tick: Callable[[str], None] | None = None) -> list[PressRun]:
+                 tick: Callable[[str], None] | None = None, window: int | None = None) -> list[PressRun]:
     """One needle prompt through every configuration (see the module docstring)."""
     context, question = (t.to(input_device(model)) for t in context_and_question(tokenizer, task))
     bf16_full = None
     results = {}
-    for press, preset, cache in _caches(model, context, presses, presets, ratio):
+    for press, preset, cache in _caches(model, context, presses, presets, ratio, window):
         held = _held(cache, model.dtype)
         if not press and not preset:
             bf16_full = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers) * 2
@@ -172,13 +182,16 @@ def press_prompt(model, tokenizer, task, sample: int, presses: list[str], preset
 def run_press_grid(model, tokenizer, presses: list[str], presets: list[str], ratio: float, lengths: list[int],
                    depths: list[float], tasks: list[str], samples: int = 1, seed: int = 0,
                    on_prompt: Callable[[list[PressRun]], None] | None = None,
-                   tick: Callable[[str], None] | None = None) -> list[PressRun]:
+                   tick: Callable[[str], None] | None = None, window: int | None = None) -> list[PressRun]:
     """Every prompt of the needle grid (noise haystack) through every configuration.
 
     Args:
         presses: names from :data:`.presses.PRESSES`; presets: names from ``hf_asymkv.PRESETS``.
         ratio: the presses' compression ratio (fraction of the context's tokens dropped).
         on_prompt: called with every run so far after each prompt (to save partial results).
+        window: every preset's exact window (``residual_length``) instead of its own; None: the preset's. The
+            bytes of a quantized token stay the preset's; the window's exact tokens are what a press x preset pays
+            beyond them (the ``exact_share`` of the table).
 
     Raises:
         ValueError: a bad grid (see :func:`.retrieval.check_grid`), press or ratio (checked before the first
@@ -188,12 +201,12 @@ def run_press_grid(model, tokenizer, presses: list[str], presets: list[str], rat
     for name in presses:
         make_press(name, ratio)
     for preset in presets:
-        AsymKVCache.from_preset(preset, model.config)
+        AsymKVCache.from_preset(preset, model.config, **({} if window is None else {"residual_length": window}))
     runs: list[PressRun] = []
     for n, (sample, task) in enumerate(needle_prompts(tokenizer, lengths, depths, tasks, samples, "noise", None,
                                                       seed), 1):
         where = (lambda detail, n=n: tick(f"prompt {n}, {detail}")) if tick else None
-        runs += press_prompt(model, tokenizer, task, sample, presses, presets, ratio, where)
+        runs += press_prompt(model, tokenizer, task, sample, presses, presets, ratio, where, window)
         if on_prompt:
             on_prompt(runs)
     return runs
