@@ -178,9 +178,12 @@ def default_model():
 
 
 @pytest.mark.slow
-def test_the_pipeline_answers_several_questions_on_our_cache(default_model):
+@pytest.mark.parametrize("press", [lambda: kvpress.KnormPress(0.5), lambda: kvpress.AdaKVPress(kvpress.SnapKVPress(0.5))],
+                         ids=["knorm", "adakv_head_wise"])
+def test_the_pipeline_answers_several_questions_on_our_cache(default_model, press):
     """``kv-press-text-generation`` with ``cache=AsymKVCache(...)``: a wide window answers as DynamicCache does;
-    ``compact`` runs the multi-question loop (slicing the cache back after each answer) without a reuse warning."""
+    ``compact`` runs the multi-question loop (slicing the cache back after each answer) without a reuse warning
+    and ends holding the compressed context's length, as DynamicCache does."""
     from transformers import pipeline
 
     model, tokenizer = default_model
@@ -189,14 +192,16 @@ def test_the_pipeline_answers_several_questions_on_our_cache(default_model):
     questions = ["What is the code for room 7?", "What is the code for room 31?"]
 
     def ask(cache):
-        return pipe(context, questions=questions, press=kvpress.KnormPress(0.5), cache=cache, max_new_tokens=10)
+        return pipe(context, questions=questions, press=press(), cache=cache, max_new_tokens=10)
 
-    assert ask(AsymKVCache(model.config, residual_length=4096)) == ask(DynamicCache())
+    reference = DynamicCache()
+    assert ask(AsymKVCache(model.config, residual_length=4096)) == ask(reference)
     compact = AsymKVCache.from_preset("compact", model.config)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         answers = ask(compact)["answers"]
     assert len(answers) == 2 and compact.stats()["tokens_quantized"] > 0
+    assert compact.get_seq_length() == reference.get_seq_length()  # the context after the press (AdaKV: all of it)
 
 
 @pytest.mark.slow
