@@ -59,7 +59,11 @@ def tensor_nbytes(objs: Iterable, seen: set | None = None) -> int:
 def cache_nbytes(cache) -> int:
     """Real bytes of every tensor held by ``cache``'s layers (scales, zeros, windows, capacity included).
 
-    Small bookkeeping tensors (e.g. a sliding layer's window-size scalar) are included too: they are real.
+    Small bookkeeping tensors (e.g. a sliding layer's window-size scalar) are included too: they are real. An
+    :class:`~hf_asymkv.AsymKVCache` is settled first (a layer update it still holds exact is quantized, as its next
+    update would do): the bytes are those it keeps.
     """
+    if hasattr(cache, "settle"):
+        cache.settle()
     seen: set = set()
     return sum(tensor_nbytes([layer], seen) for layer in cache.layers)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .backend import triton_fused_attention
-from .kv_view import QuantizedKV, SinkOverlayView, write_rows
+from .kv_view import HEADWISE_MASKING_REFUSED, QuantizedKV, SinkOverlayView, write_rows
 from .quant import decode_codes
 from .rotation import rotate, unrotate
 
@@ -199,6 +199,10 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support `softcap` (neither does `sdpa`); load the "
                          "model with attn_implementation='eager' for soft-capped attention.")
+    # kvpress's head-wise presses leave the keys to mask on the module after the prefill (whose query covers every
+    # key); refused on every read after it, dense or not, so that masking is never skipped silently.
+    if getattr(module, "masked_key_indices", None) is not None and query.shape[2] < key.shape[2]:
+        raise ValueError(f"{HEADWISE_MASKING_REFUSED}.")
     if isinstance(key, QuantizedKV):
         if key.n_quantized and query.shape[2] <= FUSED_MAX_QUERY_TOKENS:
             refused = _refused(module, key, dropout, kwargs)

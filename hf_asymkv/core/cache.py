@@ -69,6 +69,11 @@ class AsymKVCache(Cache):
 
     When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
     the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
+
+    A multi-token update (a prefill) of a layer stays exact in that layer until the cache's next update of any layer
+    (:meth:`settle`), so that code running after a layer's attention, such as a kvpress press, reads it exact and
+    can replace it with the tokens it keeps (``layer.keys = ...``, :mod:`hf_asymkv.core.kv_assign`), which are then
+    quantized once. Right after a forward the last layer's update still waits; ``settle()`` quantizes it now.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class AsymKVCache(Cache):
         # `model.set_attn_implementation(...)` after the cache was built takes effect.
         self._attn_configs = (config, text_config)
         self._max_cache_len = max_cache_len
+        self.held_layer: int | None = None  # the layer whose latest update waits for settle() (class docstring)
         super().__init__(layers=self._build_layers(text_config, key_absmax, max_cache_len))
 
     def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
@@ -161,15 +167,31 @@ class AsymKVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call; a new
         prompt on a cache that already answered one is warned about once (:mod:`~hf_asymkv.core.reuse`)."""
+        if self.held_layer is not None and self.held_layer != layer_idx:
+            self.layers[self.held_layer].settle()  # its update has had its turn (e.g. a press hook) before this one
+            self.held_layer = None
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        if isinstance(layer, QUANTIZED_LAYERS):
-            layer.return_views = self.fused_attention
-            # the first quantized layer, once per forward; a compiled step cannot read lengths on the host
-            if layer_idx == self.reuse_watch.layer_idx and not torch.compiler.is_compiling():
-                if isinstance(layer, StaticAsymKVLayer):
-                    layer.check_room(key_states.shape[-2])
-                self.reuse_watch.update(key_states.shape[-2], layer)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if not isinstance(layer, QUANTIZED_LAYERS):
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer.return_views = self.fused_attention
+        # the first quantized layer, once per forward; a compiled step cannot read lengths on the host
+        if layer_idx == self.reuse_watch.layer_idx and not torch.compiler.is_compiling():
+            if isinstance(layer, StaticAsymKVLayer):
+                layer.check_room(key_states.shape[-2])
+            self.reuse_watch.update(key_states.shape[-2], layer)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if isinstance(layer, AsymKVLayer) and layer.pending_tokens and not layer.defers:
+            self.held_layer = layer_idx  # static layers quantize in the step itself: nothing is held
+        return out
+
+    def settle(self) -> None:
+        """Quantize now what the latest multi-token update of a layer still holds exact (what the next update would
+        do first): e.g. before reading ``memory_footprint()`` right after a prefill. A layer that defers (past
+        recording, ``keep_latest_exact``) keeps its pending tokens."""
+        for layer in self.layers:  # every layer: updates made on a layer directly are held too
+            if isinstance(layer, AsymKVLayer):
+                layer.settle()
+        self.held_layer = None
 
     def crop(self, max_length: int) -> None:
         """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache."""
@@ -181,6 +203,7 @@ class AsymKVCache(Cache):
         :func:`~hf_asymkv.core.compat.reset_layer`)."""
         for layer in self.layers:
             reset_layer(layer)
+        self.held_layer = None
         self.reuse_watch.rewound()
 
     @property
@@ -311,6 +334,7 @@ class AsymKVCache(Cache):
             layers = DynamicCache(config=text_config).layers
             for i, layer_config in self.layer_configs.items():
                 layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
+                layers[i].hold_updates = True
             return layers
         layers = [StaticAsymKVLayer(c, max_cache_len, key_absmax=key_absmax.get(i))  # checks max_cache_len first
                   for i, c in self.layer_configs.items()]
@@ -321,7 +345,8 @@ class AsymKVCache(Cache):
 
     def memory_footprint(self) -> dict[str, int | float]:
         """Real bytes of every tensor the cache holds, unused capacity included, and what full-precision caches
-        holding the same tokens would take.
+        holding the same tokens would take. A layer update still held exact is quantized first (:meth:`settle`:
+        what the next update would do; the stored result is the same), so the bytes are those the cache keeps.
 
         Returns:
             - ``{part: bytes}`` for the quantized layers' parts (codes, scales, zeros, sinks, window,
@@ -340,6 +365,7 @@ class AsymKVCache(Cache):
               first update, for ``max_cache_len`` tokens) and ``used`` (``total - unused_capacity``: the bytes of
               the tokens held, what a dynamic cache with the same settings would hold, slack aside).
         """
+        self.settle()
         parts: Counter = Counter()
         equivalent: Counter = Counter()
         for layer in self.layers:
@@ -364,7 +390,8 @@ class AsymKVCache(Cache):
         """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,
         ``key_overflow_channels``, ``key_widened_blocks``, ``key_clipped_values``, ``requantized_tokens`` (tokens a
         rollback returned from a block to the window, quantized again later), ``nonfinite_values`` (NaN/inf
-        elements that reached a quantized block)."""
+        elements that reached a quantized block), after :meth:`settle` (as :meth:`memory_footprint`)."""
+        self.settle()
         total: Counter = Counter()
         for layer in self.layers:
             if isinstance(layer, QUANTIZED_LAYERS):

@@ -18,7 +18,14 @@ from .packing import PackedCodes
 from .quant import QuantSpec, dequantize
 from .rotation import dequantize_rotated
 
-__all__ = ["QuantizedKV", "SinkOverlayView", "write_rows"]
+__all__ = ["HEADWISE_MASKING_REFUSED", "QuantizedKV", "SinkOverlayView", "write_rows"]
+
+HEADWISE_MASKING_REFUSED = (
+    "head-wise presses (kvpress's AdaKVPress, CriticalAdaKVPress, DuoAttentionPress, KVzipPress and others that set "
+    "`masked_key_indices` on attention modules) mask keys by writing fake keys into the dense K attention receives; "
+    "attn_implementation='asymkv_sdpa' hands attention the stored codes instead. Use attn_implementation='sdpa' (or "
+    "'eager') with such presses: AsymKVCache then hands dense K/V, which they can mask")
+"""Why the fused attention refuses head-wise kvpress masking (raised by it and by :meth:`QuantizedKV.__setitem__`)."""
 
 
 def write_rows(out: torch.Tensor, dim: int, positions: torch.Tensor, valid: torch.Tensor,
@@ -113,6 +120,11 @@ class QuantizedKV:
     @property
     def device(self) -> torch.device:
         return self.tail.device
+
+    def __setitem__(self, index, value) -> None:
+        """Refused: the codes are what is stored. kvpress's attention patch writes fake keys into K this way for its
+        head-wise presses (:data:`HEADWISE_MASKING_REFUSED`)."""
+        raise ValueError(f"QuantizedKV cannot be written to: {HEADWISE_MASKING_REFUSED}.")
 
     def to(self, device: torch.device | str) -> QuantizedKV:
         """The same K or V on ``device`` (KV-sharing layers move what they borrow, e.g. Gemma4 in transformers

@@ -19,6 +19,13 @@ as usual). The window therefore never exceeds ``residual_length + block_size + n
 update's. It is on while past recording is (``activate_past_recording()``: transformers' ``generate`` turns it on
 for assisted decoding and for returned caches it may roll back, and may leave it on) or while
 ``keep_latest_exact`` is set (e.g. to keep a prefill exact until the step after it); ``reset()`` ends both.
+With ``hold_updates`` (set by :class:`~hf_asymkv.core.cache.AsymKVCache` on its layers) a multi-token update is
+held pending the same way, but only until :meth:`AsymKVLayer.settle`, which the cache calls at its next update of
+any layer: code that runs between a layer's attention and the next layer's (a kvpress press) reads the update
+exact, and at most one layer's update waits. The stored result is the same as without holding, one call later.
+
+``layer.keys`` / ``layer.values`` read the layer as dense tensors and accept pruned K/V
+(:mod:`hf_asymkv.core.kv_assign`), the part of transformers' layer API that kvpress presses use.
 
 Rollback (``crop``) first removes tokens, then quantizes what has aged out. A rollback of no more than the
 latest update's tokens (plus the window's surplus over ``residual_length``) is therefore exact while deferring:
@@ -42,6 +49,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length, update_position_ids
 from .config import LayerConfig
+from .kv_assign import DECODING_PRESSES_NOTE, DenseKVAttributes
 from .kv_view import QuantizedKV
 from .quant import scale_from_absmax
 from .sinks import row_starts
@@ -50,7 +58,7 @@ from .store import TensorStore
 __all__ = ["AsymKVLayer", "check_layer_config"]
 
 
-class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
+class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
     """Cache layer with quantized K/V blocks between an exact sink prefix and an exact recent window.
 
     Args:
@@ -86,6 +94,8 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self.return_views = return_views
         self.record_past = False  # transformers' name: set by activate_past_recording(), cleared by generate
         self.keep_latest_exact = False
+        self.hold_updates = False  # AsymKVCache sets it: multi-token updates wait for settle() (module docstring)
+        self.rollbacks = 0  # crops that removed tokens (the cache's reuse watch reads it)
         self.key_absmax = key_absmax
         self.stats: Counter = Counter()
         self._clear()
@@ -126,6 +136,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self.value_store = TensorStore("value", self.value_spec, self.config.growth, self.sink_tokens)
         self.cumulative_length = 0
         self.pending_tokens = 0  # window tokens of the latest update kept out of ageing (see the module docstring)
+        self.clear_assignments()
 
     @property
     def defers(self) -> bool:
@@ -159,8 +170,10 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         dequantized in one vectorized op per tensor. The first update into an empty layer anchors each row's sinks
         at its first real token when transformers passes ``position_ids`` (see :mod:`hf_asymkv.core.sinks`).
         """
+        self.check_no_half_assignment()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.settle()  # a held update is quantized before anything reads past it (the cache usually did it already)
         n = key_states.shape[-2]
         ks = self.key_store
         if self.cumulative_length == 0 and n and self.sink_tokens:
@@ -171,7 +184,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         # of the newest residual_length tokens is quantized; while deferring, the new tokens do not age anything
         # (an empty update, a read, keeps the previous update's tokens pending).
         n_sink = min(n, self.sink_tokens - ks.sinks.length) if ks.blocks.length + ks.window.length == 0 else 0
-        pending = (n - n_sink if self.defers else 0) if n else self.pending_tokens
+        pending = (n - n_sink if self.defers or (self.hold_updates and n > 1) else 0) if n else self.pending_tokens
         n_flush = self._aged_out(ks.window.length + n - n_sink - pending)
         # The calibrated key scale comes first: with overflow_policy="error" it raises, and must leave the layer
         # as it was.
@@ -182,6 +195,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         pushed = (ks.push(key_states, n_sink, n_flush, key_scale), self.value_store.push(value_states, n_sink, n_flush))
         self.cumulative_length += n
         self.pending_tokens = pending
+        self.clear_assignments()
         if n_flush:
             self._count_flush(n_flush, sum(nonfinite for _, nonfinite in pushed))
         return tuple(store.read(n_old, tail, self.return_views) for store, (tail, _) in zip(self.stores, pushed))
@@ -196,7 +210,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        """Empty the layer and end any deferral (past recording, ``keep_latest_exact``)."""
+        """Empty the layer and end any deferral (past recording, ``keep_latest_exact``); ``hold_updates`` stays."""
         self._clear()
         self.stats.clear()
         self.is_initialized = False
@@ -245,9 +259,50 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
         keep = max(0, self.cumulative_length + tokens_to_remove)
         moved = [store.crop(keep, self.dtype) for store in self.stores]
         self.stats["requantized_tokens"] += moved[0]
+        self.rollbacks += keep < self.cumulative_length
         self.cumulative_length = keep
+        self.clear_assignments()
         self.pending_tokens = 0  # a crop ends the deferral: what has aged out is quantized now
         self._flush_window()
+
+    def settle(self) -> None:
+        """End the holding of the latest update (``hold_updates``): quantize what its tokens pushed out of the window,
+        as the layer's next update would. Nothing to do while the layer defers (past recording,
+        ``keep_latest_exact``: its tokens then stay pending until its next update or crop) or holds nothing."""
+        if self.pending_tokens and not self.defers:
+            self.pending_tokens = 0
+            self._flush_window()
+
+    def replace_tokens(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold ``keys``/``values`` ``[B, H, n, D]`` instead of every token held so far (what a kvpress press
+        assigns: the tokens it keeps of an exact prefill). They are stored like one update into an empty layer,
+        pending (exact) until the next update, crop or :meth:`settle`, and quantized once when they age out.
+
+        Raises:
+            ValueError: keys and values of different lengths, a layer that already holds quantized blocks (their
+                tokens would be quantized a second time), or a left-padded batch whose rows' sinks are anchored
+                (the kept tokens no longer say where each row starts).
+        """
+        if keys.shape[2] != values.shape[2]:
+            raise ValueError(f"replace_tokens takes keys and values of the same length, got {keys.shape[2]} and "
+                             f"{values.shape[2]}.")
+        if self.key_store.blocks.length:
+            raise ValueError(f"new K/V ({keys.shape[2]} tokens) assigned to a layer that holds "
+                             f"{self.key_store.blocks.length} quantized tokens: storing them would quantize those "
+                             f"tokens a second time. {DECODING_PRESSES_NOTE}.")
+        if self.key_store.overlay.anchors is not None:
+            raise ValueError("new K/V assigned to a left-padded batch whose rows' sinks are anchored at their first "
+                             "real token: the kept tokens no longer say where each row starts (run presses on "
+                             "unpadded prompts, one row or rows of equal length).")
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        n = keys.shape[2]
+        n_sink = min(n, self.sink_tokens)
+        for store, new in zip(self.stores, (keys, values)):
+            store.replace(new, n_sink)
+        self.cumulative_length = n
+        self.pending_tokens = n - n_sink
+        self.clear_assignments()
 
     # ------------------------------------------------------------------ reporting
     def buffers(self) -> dict:
@@ -333,6 +388,7 @@ class AsymKVLayer(LayerAPICompat, CacheLayerMixin):
     def _map_batch(self, fn) -> None:
         for store in self.stores:
             store.map_batch(fn)
+        self.clear_assignments()
 
 
 def check_layer_config(config: LayerConfig, key_absmax: torch.Tensor | None) -> None:

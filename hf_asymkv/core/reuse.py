@@ -39,14 +39,21 @@ class ReuseWatch:
         self.layer_idx = layer_idx
         self.seen = 0
         self.warned = False
+        self.rollbacks = 0  # the layer's rollback count at the last update
 
     def update(self, tokens: int, layer) -> None:
         """Record one update of ``tokens`` tokens onto ``layer`` (a cache layer, before the update); warn by the rule.
-        Reads the layer's length on the host for updates of other than one token only."""
+        Reads the layer's length on the host for updates of other than one token only. A rollback of the layer since
+        the last update (its ``rollbacks`` count moved: e.g. kvpress's pipeline slicing the cache back to its
+        context) is one asked for: the length it left is the new reference."""
         if tokens == 1:
             return
         held = int(layer.get_seq_length())
-        if tokens > 1 and held > self.seen and not layer.record_past and not self.warned:
+        rollbacks = getattr(layer, "rollbacks", 0)
+        if rollbacks != self.rollbacks:
+            self.rollbacks = rollbacks
+            self.rewound(held)
+        if held > self.seen and not layer.record_past and not self.warned:
             self.warned = True
             warnings.warn(CacheReuseWarning(
                 f"AsymKVCache: a new {tokens}-token input arrives on a cache that already holds {held} tokens from "

@@ -276,8 +276,14 @@ class TensorStore:
         if not n_flush:
             return 0
         self.overlay.capture(self.window.live[:, :, :n_flush], self.sinks.length + self.blocks.length)
+        first = not self.blocks.length
         nonfinite = self.blocks.append(self.window.live[:, :, :n_flush], scale)
-        self.window.drop_front(n_flush)
+        if first:  # as in push: the window buffer was sized for everything before the first block; keep the rest only
+            rest = self.window.live[:, :, n_flush:]
+            self.window = GrowableBuffer()
+            self.window.append(rest, self.growth)
+        else:
+            self.window.drop_front(n_flush)
         return nonfinite
 
     def read(self, n_old: int, tail: torch.Tensor, as_views: bool) -> torch.Tensor | QuantizedKV:
@@ -297,6 +303,29 @@ class TensorStore:
                          tail.clone() if as_views and tail._base is not None else tail,
                          self.overlay.view(ns, ns + n_old))
         return kv if as_views else kv.dense()
+
+    def dense(self) -> torch.Tensor | None:
+        """Every stored token, ``[B, H, seq, D]``, in a fresh tensor that nothing else references: the sinks and the
+        window exact, the blocks decoded (padded rows' sinks written over them). None while nothing is stored."""
+        if self.window.data is None and self.sinks.data is None:
+            return None
+        tail = self.window.live if self.window.data is not None else self.sinks.live[:, :, :0]
+        out = self.read(self.blocks.length, tail, as_views=False)
+        return out.clone() if out._base is not None else out
+
+    def replace(self, new: torch.Tensor, n_sink: int) -> None:
+        """Hold ``new`` ``[B, H, n, D]`` instead of every token held so far (no quantized block may be stored): the
+        first ``n_sink`` tokens as sinks, the rest in the window, in buffers of exactly their size (the old ones,
+        sized for what was there before, are released).
+
+        Raises:
+            ValueError: blocks are stored (their tokens would be quantized a second time).
+        """
+        if self.blocks.length:
+            raise ValueError(f"cannot replace the {self.kind}s of a store that holds {self.blocks.length} quantized "
+                             "tokens: they would be quantized a second time.")
+        self.sinks, self.window = GrowableBuffer(), GrowableBuffer()
+        self.push(new, n_sink, 0)
 
     def crop(self, keep: int, dtype: torch.dtype) -> int:
         """Keep the first ``keep`` tokens. Whole quantized blocks stay; the kept tokens of a partial block go

@@ -76,18 +76,27 @@ def eos_ids(model) -> set[int]:
 
 
 @torch.no_grad()
-def tail_and_decode(model, cache, tail_ids: torch.Tensor, max_new: int = 24) -> tuple[torch.Tensor, list[int]]:
+def tail_and_decode(model, cache, tail_ids: torch.Tensor, max_new: int = 24,
+                    start: int | None = None) -> tuple[torch.Tensor, list[int]]:
     """Feed ``tail_ids`` (``[1, n]``) in one call, then decode greedily up to ``max_new`` tokens.
+
+    Args:
+        start: the position of the tail's first token, passed as ``position_ids`` (as kvpress's pipeline does: a
+            press leaves fewer tokens in the cache than came before the tail); None: the cache's length.
 
     Returns:
         ``(logits [n, vocab] of the tail, generated token ids)``.
     """
+    def at(first: int, n: int) -> dict:
+        return {} if start is None else {"position_ids": torch.arange(first, first + n, device=tail_ids.device)[None]}
+
     eos = eos_ids(model)
-    logits = model(input_ids=tail_ids, **cache_kwargs(cache), use_cache=True).logits[0].float()
+    n = tail_ids.shape[1]
+    logits = model(input_ids=tail_ids, **cache_kwargs(cache), use_cache=True, **at(start or 0, n)).logits[0].float()
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < max_new and tokens[-1] not in eos:
         step = model(input_ids=torch.tensor([[tokens[-1]]], device=tail_ids.device), **cache_kwargs(cache),
-                     use_cache=True, logits_to_keep=1).logits
+                     use_cache=True, logits_to_keep=1, **at((start or 0) + n + len(tokens) - 1, 1)).logits
         tokens.append(int(step[0, -1].argmax()))
     return logits, tokens
 

@@ -123,7 +123,8 @@ def test_overrides_chosen_after_the_prefill():
 def test_overrides_refused_once_blocks_exist():
     cache = AsymKVCache(llama_config(), **BASE)
     k = torch.randn(1, 2, 40, 16)
-    cache.update(k, k, 0)  # layer 0 quantizes at once; layer 1 is still empty
+    cache.update(k, k, 0)  # layer 0 quantizes at the cache's next update (of layer 1 here)
+    cache.update(k[:, :, :1], k[:, :, :1], 1)
     with pytest.raises(ValueError, match=r"layer 0: cannot reconfigure a layer that holds 24 quantized tokens"):
         cache.apply_layer_overrides(PROTECT)
     assert cache.layers[0].key_spec.fmt == "int2" and cache.cache_config.overrides() == {}  # nothing changed
