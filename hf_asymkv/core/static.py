@@ -139,12 +139,14 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         for store, new in zip(self.stores, (key_states, value_states)):
             store.write_sinks(new, start)
             joined.append(store.joined(new, start - boundary))
+        # read before the flush: what it stores lies at or after the boundary, where the read takes the exact tokens
+        # anyway (a compiled graph would otherwise decode every slot through the scatter that writes one of them)
+        out = tuple(store.read(tokens, boundary, self.max_cache_len) for store, tokens in zip(self.stores, joined))
         filled = (start + n - boundary).clamp(min=0)  # window tokens, this update's included, before a flush
         flushed = (filled - self.residual_length).div(self.block_size, rounding_mode="floor").clamp(min=0)
         candidates = min(self.n_blocks, (self.window_tokens + n - self.residual_length) // self.block_size)
         if candidates > 0:
             self._flush(joined, candidates, flushed, boundary)
-        out = tuple(store.read(tokens, boundary, self.max_cache_len) for store, tokens in zip(self.stores, joined))
         for store, tokens in zip(self.stores, joined):
             store.keep_window(tokens, flushed * self.block_size)
         self.length.add_(n)

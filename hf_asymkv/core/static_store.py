@@ -121,17 +121,15 @@ class StaticTensorStore:
         """Dense ``[B, H, max_len, D]``: sinks, every block slot decoded, then ``tokens`` (:meth:`joined`) over the
         positions from ``boundary`` on and padded rows' exact sinks over theirs. The tail after the last slot starts
         at 0 (finite filler for positions no token fills)."""
+        if torch.compiler.is_compiling():
+            return self._compose(tokens, boundary, max_len)
         b, h, _, d = self.window.shape
         out = self.window.new_empty(b, h, max_len, d)
         ns, slots = self.sink_count, self.codes.shape[2]
         out[:, :, :ns] = self.sinks
         if slots:
             read = dequantize_rotated if self.spec.rotated else dequantize
-            codes = PackedCodes(self.codes, self.spec.bits, self.spec.layout, self.spec.block_size)
-            if torch.compiler.is_compiling():  # a graph takes no `out=` into a view; the compiler fuses the copy
-                out[:, :, ns : ns + slots] = read(codes, self.scales, self.zeros, self.spec, dtype=out.dtype)
-            else:
-                read(codes, self.scales, self.zeros, self.spec, dtype=out.dtype, out=out[:, :, ns : ns + slots])
+            read(self._packed(), self.scales, self.zeros, self.spec, dtype=out.dtype, out=out[:, :, ns : ns + slots])
         out[:, :, ns + slots :] = 0
         # positions past max_len clamp onto its last one; the value written is chosen by the position (exact from
         # the boundary on, as decoded before it), so every writer of a position writes the same value
@@ -143,6 +141,33 @@ class StaticTensorStore:
         if overlay is not None:
             write_rows(out, 2, overlay.positions, overlay.valid, overlay.tokens)
         return out
+
+    def _compose(self, tokens: torch.Tensor, boundary: torch.Tensor, max_len: int) -> torch.Tensor:
+        """:meth:`read` as one selection per position, for a compiled graph: the same values, but no in-place write
+        into the output (a graph would copy the whole output for each of those)."""
+        b, h, w, d = tokens.shape
+        ns, slots = self.sink_count, self.codes.shape[2]
+        parts = [self.sinks] if ns else []
+        if slots:
+            read = dequantize_rotated if self.spec.rotated else dequantize
+            parts.append(read(self._packed(), self.scales, self.zeros, self.spec, dtype=tokens.dtype))
+        if max_len > ns + slots:
+            parts.append(tokens.new_zeros(b, h, max_len - ns - slots, d))
+        out = torch.cat(parts, dim=2)
+        position = torch.arange(max_len, device=tokens.device)
+        source = position - boundary
+        exact = tokens.index_select(2, source.clamp(0, w - 1))
+        out = torch.where(((source >= 0) & (source < w))[:, None], exact, out)
+        overlay = self.overlay
+        if ns and overlay.tokens is not None:  # rows' sinks inside the quantized region [ns, boundary)
+            slot = position[None, :] - overlay.anchors[:, None]  # [B, max_len]
+            inside = (slot >= 0) & (slot < overlay.count) & (position >= ns) & (position < boundary)
+            index = slot.clamp(0, overlay.count - 1)[:, None, :, None].expand(b, h, max_len, d)
+            out = torch.where(inside[:, None, :, None], overlay.tokens.gather(2, index), out)
+        return out
+
+    def _packed(self) -> PackedCodes:
+        return PackedCodes(self.codes, self.spec.bits, self.spec.layout, self.spec.block_size)
 
     def keep_window(self, tokens: torch.Tensor, shift: torch.Tensor) -> None:
         """The window after this update: ``tokens`` (:meth:`joined`) from slot ``shift`` (the tokens just quantized
