@@ -107,15 +107,45 @@ class StaticTensorStore:
         """
         bs = self.spec.block_size
         x = tokens[:, :, : candidates * bs]
-        codes, scale, zero = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, scale)
+        encoded = self._encode(x, scale, flushed_tokens > 0)
         self.overlay.capture(x, boundary, flushed_tokens)
         rows = bs // self.spec.token_group
-        for buf, new in ((self.codes, codes.data), (self.scales, scale), (self.zeros, zero)):
+        for buf, new in zip((self.codes, self.scales, self.zeros), encoded):
             if buf is not None:
                 _write_slots(buf, new, targets, valid, bs if buf is self.codes else rows)
         b, h = x.shape[:2]
         nonfinite = (~torch.isfinite(x)).view(b, h, candidates, -1).sum(dim=(0, 1, 3))
         return (nonfinite * valid).sum()
+
+    def _encode(self, x: torch.Tensor, scale: torch.Tensor | None, any_stored: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(codes, scale, zero)`` of the blocks ``x`` ``[B, H, F * bs, D]`` (tensors shaped as the buffers' slots).
+
+        Only a step that stores a block needs them (one decode step in ``block_size``): eagerly on a CPU the others
+        skip the quantization and hand zeros that no slot takes. A graph, and other devices, quantize at every step:
+        branching would cost a host sync per step on a GPU, and ``torch.cond`` here made ``generate``'s compiled
+        step recompile once when the ``kernels`` package (a transformers 5.25 dependency) is installed.
+        """
+        def encode(x: torch.Tensor, *given: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            codes, s, z = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, given[0] if given else None)
+            return (codes.data,) + ((s,) if z is None else (s, z))[len(given):]  # the given scale is added below
+
+        def skip(x: torch.Tensor, *given: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            b, h, m, d = x.shape
+            tg, cg = self.spec.groups(d)
+            parts = [torch.zeros(b, h, m, self.codes.shape[-1], dtype=self.codes.dtype, device=x.device)]
+            if not given:
+                parts += [torch.zeros(b, h, m // tg, d // cg, dtype=buf.dtype, device=x.device)
+                          for buf in (self.scales, self.zeros) if buf is not None]
+            return tuple(parts)
+
+        operands = (x,) if scale is None else (x, scale)
+        if x.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(any_stored):
+            out = skip(*operands)
+        else:
+            out = encode(*operands)
+        out = tuple(out) + ((scale,) if scale is not None else ())
+        return out + (None,) * (3 - len(out))
 
     def read(self, tokens: torch.Tensor, boundary: torch.Tensor, max_len: int) -> torch.Tensor:
         """Dense ``[B, H, max_len, D]``: sinks, every block slot decoded, then ``tokens`` (:meth:`joined`) over the
