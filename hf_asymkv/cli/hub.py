@@ -34,6 +34,8 @@ def _cmd_publish(args) -> int:
     from ..hub.publish import publish, push_to_hub
 
     overrides = {key: getattr(args, key) for key in SETTING_FLAGS if getattr(args, key) is not None}
+    if args.layer_overrides is not None:
+        overrides["layer_overrides"] = read_layer_overrides(args.layer_overrides)
     out = publish(args.model, args.scales, args.out, eval_results=args.eval_results, settings=overrides,
                   preset=args.preset, overwrite=args.overwrite, base_model=args.base_model, license=args.license,
                   repo_id=args.push_to_hub)
@@ -43,6 +45,31 @@ def _cmd_publish(args) -> int:
         push_to_hub(out, args.push_to_hub, private=args.private)
         print(f"pushed {out} to https://huggingface.co/{args.push_to_hub}")
     return 0
+
+
+def read_layer_overrides(path: str) -> dict:
+    """The per-layer settings in a JSON file: ``{"<layer index>": {setting: value}}``, an object with such a
+    ``layer_overrides`` entry (``AsymKVConfig.to_dict()``), or a published ``asymkv_config.json`` (under
+    ``settings``). Indices and settings are checked against the model by
+    ``publish`` (a ``ValueError`` naming the layer).
+
+    Raises:
+        ValueError: a file that is not JSON, or whose content is neither form.
+    """
+    import json
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--layer-overrides {path!r} is not a readable JSON file: {exc}") from None
+    if isinstance(data, dict) and isinstance(data.get("settings"), dict):  # a published asymkv_config.json
+        data = data["settings"]
+    if isinstance(data, dict) and isinstance(data.get("layer_overrides"), dict):
+        data = data["layer_overrides"]
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"--layer-overrides {path!r} must hold a JSON object {{\"<layer index>\": {{setting: value}}}} "
+                         "or an object with a 'layer_overrides' entry of that form.")
+    return data
 
 
 def _hub_repo_id(text: str) -> str:
@@ -203,6 +230,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--base-model", default=None, help="base model Hub id for the card (default: inferred if known)")
     p.add_argument("--license", default=None, help="license id for the card front matter (default: inferred if known)")
     _add_setting_flags(p)
+    input_arg(p, "--layer-overrides", default=None, check=existing_file, metavar="JSON",
+              help="per-layer settings to publish: a JSON file {\"<layer index>\": {setting: value}} (negative "
+                   "indices count from the last layer), or an asymkv_config.json whose layer_overrides to take; e.g. "
+                   "the allocation of docs/protection.md (default: none)")
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser("export-vllm", help="write a checkpoint with FP8 KV scales for vLLM/SGLang, or import them back",

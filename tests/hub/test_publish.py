@@ -17,7 +17,7 @@ from helpers import cli_exit_code, greedy_with_logits
 
 import hf_asymkv.hub.model_card as model_card_mod
 import hf_asymkv.hub.publish as publish_mod
-from hf_asymkv import PRESETS, AsymKVCache
+from hf_asymkv import PRESETS, AsymKVCache, AsymKVConfig
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.cli import main
 from hf_asymkv.core.pretrained import CONFIG_FILE, SCALES_FILE, load_published
@@ -559,3 +559,40 @@ def test_published_layer_overrides_round_trip(llama, model_dir, scales_file, tmp
     cache = AsymKVCache.from_pretrained(folder, llama.config)
     assert cache.cache_config.overrides() == overrides
     assert cache.layers[0].value_spec.bits == 8 and cache.layers[1].residual_length == 16
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["mapping", "asymkv_config"])
+def test_cli_publish_layer_overrides(llama, model_dir, scales_file, tmp_path, capsys, wrapped):
+    """--layer-overrides takes a {layer: settings} file, AsymKVConfig.to_dict()'s JSON, or a published
+    asymkv_config.json."""
+    overrides = {"0": {"key_format": "int8", "value_bits": 8}, "-1": {"residual_length": 16}}
+    source = tmp_path / "overrides.json"
+    as_config = AsymKVConfig(layer_overrides={int(k): v for k, v in overrides.items()}).to_dict()
+    source.write_text(json.dumps(as_config if wrapped else overrides))
+    out = tmp_path / "cli-pub"
+    assert main(["publish", "--model", str(model_dir), "--scales", str(scales_file), "--out", str(out),
+                 "--residual-length", "8", "--key-block-size", "8", "--layer-overrides", str(source)]) == 0
+    cache = AsymKVCache.from_pretrained(out, llama.config)
+    assert cache.cache_config.overrides() == {0: overrides["0"], -1: overrides["-1"]}
+    assert cache.layers[0].value_spec.bits == 8 and cache.layers[1].residual_length == 16
+    again = tmp_path / "cli-pub-again"  # the published config is itself a valid --layer-overrides file
+    assert main(["publish", "--model", str(model_dir), "--scales", str(scales_file), "--out", str(again),
+                 "--layer-overrides", str(out / CONFIG_FILE)]) == 0
+    assert AsymKVCache.from_pretrained(again, llama.config).cache_config.overrides() == cache.cache_config.overrides()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "is not a readable JSON file"),
+    ('[1, 2]', "must hold a JSON object"),
+    ('{"0": 8}', "must hold a JSON object"),
+    ('{"7": {"value_bits": 8}}', "layer_overrides names layer 7"),
+    ('{"0": {"value_bits": 7}}', "layer_overrides[0]"),
+])
+def test_cli_publish_refuses_bad_layer_overrides(model_dir, scales_file, tmp_path, capsys, content, message):
+    source = tmp_path / "overrides.json"
+    source.write_text(content)
+    out = tmp_path / "cli-pub"
+    assert main(["publish", "--model", str(model_dir), "--scales", str(scales_file), "--out", str(out),
+                 "--layer-overrides", str(source)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # nothing half-written
