@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import FIRST_PLAIN_TOKEN
 from torch._dynamo.utils import counters
-from transformers import CompileConfig
+from transformers import CompileConfig, LlamaConfig
 
 from hf_asymkv import AsymKVCache, cache_kwargs
 
@@ -75,3 +75,26 @@ def test_default_model_compiled_decode_equals_eager():
     model.generation_config.eos_token_id = None  # 32 steps whatever the model says
     prompt = torch.randint(FIRST_PLAIN_TOKEN, 2000, (1, 40), generator=torch.Generator().manual_seed(0))
     _check_compiled_run(model, prompt, "compact")
+
+
+@pytest.mark.parametrize("preset", ["balanced", "compact"])
+def test_graph_read_out_equals_eager_with_left_padding(preset):
+    """Inside a graph a static layer composes its read-out without in-place writes (``StaticTensorStore._compose``);
+    it must hand the eager read-out bit for bit: a left-padded batch (row 1's sinks live in the overlay), 24 steps
+    across flushes, traced by dynamo and functionalized (``aot_eager``: no code generation, so it is fast)."""
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    eager, graph = (AsymKVCache.from_preset(preset, config, max_cache_len=72, key_block_size=8, residual_length=8)
+                    for _ in range(2))
+    g = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(2, 2, 40 + 24, 16, generator=g) for _ in range(2))
+    positions = torch.stack([torch.arange(40), (torch.arange(40) - 9).clamp(min=0)])  # row 1: 9 pads on the left
+    for cache in (eager, graph):
+        cache.update(keys[:, :, :40], values[:, :, :40], 0, kwargs={"position_ids": positions})
+    step = torch.compile(graph.layers[0].update, backend="aot_eager", fullgraph=True)
+    for t in range(40, 64):
+        kv = keys[:, :, t : t + 1], values[:, :, t : t + 1]
+        pos = torch.tensor([[t], [t - 9]])
+        expected = eager.layers[0].update(*kv, kwargs={"position_ids": pos})
+        got = step(*kv, kwargs={"position_ids": pos})
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"step {t}"
+    assert graph.layers[0].stats == eager.layers[0].stats and eager.layers[0].stats["blocks_quantized"] >= 3
