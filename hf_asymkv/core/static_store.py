@@ -119,33 +119,25 @@ class StaticTensorStore:
 
     def _encode(self, x: torch.Tensor, scale: torch.Tensor | None, any_stored: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(codes, scale, zero)`` of the blocks ``x`` ``[B, H, F * bs, D]`` (tensors shaped as the buffers' slots).
+        """``(codes, scale, zero)`` of the blocks ``x`` ``[B, H, F * bs, D]``, shaped as the buffers' slots (``scale``:
+        a calibrated one, handed back as given).
 
         Only a step that stores a block needs them (one decode step in ``block_size``): eagerly on a CPU the others
         skip the quantization and hand zeros that no slot takes. A graph, and other devices, quantize at every step:
         branching would cost a host sync per step on a GPU, and ``torch.cond`` here made ``generate``'s compiled
         step recompile once when the ``kernels`` package (a transformers 5.25 dependency) is installed.
         """
-        def encode(x: torch.Tensor, *given: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            codes, s, z = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, given[0] if given else None)
-            return (codes.data,) + ((s,) if z is None else (s, z))[len(given):]  # the given scale is added below
-
-        def skip(x: torch.Tensor, *given: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(any_stored):
             b, h, m, d = x.shape
             tg, cg = self.spec.groups(d)
-            parts = [torch.zeros(b, h, m, self.codes.shape[-1], dtype=self.codes.dtype, device=x.device)]
-            if not given:
-                parts += [torch.zeros(b, h, m // tg, d // cg, dtype=buf.dtype, device=x.device)
-                          for buf in (self.scales, self.zeros) if buf is not None]
-            return tuple(parts)
 
-        operands = (x,) if scale is None else (x, scale)
-        if x.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(any_stored):
-            out = skip(*operands)
-        else:
-            out = encode(*operands)
-        out = tuple(out) + ((scale,) if scale is not None else ())
-        return out + (None,) * (3 - len(out))
+            def filler(buf: torch.Tensor | None) -> torch.Tensor | None:
+                return None if buf is None else torch.zeros(b, h, m // tg, d // cg, dtype=buf.dtype, device=x.device)
+
+            codes = torch.zeros(b, h, m, self.codes.shape[-1], dtype=self.codes.dtype, device=x.device)
+            return codes, filler(self.scales) if scale is None else scale, filler(self.zeros)
+        codes, scale, zero = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, scale)
+        return codes.data, scale, zero
 
     def read(self, tokens: torch.Tensor, boundary: torch.Tensor, max_len: int) -> torch.Tensor:
         """Dense ``[B, H, max_len, D]``: sinks, every block slot decoded, then ``tokens`` (:meth:`joined`) over the
