@@ -88,8 +88,8 @@ def test_graph_read_out_equals_eager_with_left_padding(preset):
     g = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(2, 2, 40 + 24, 16, generator=g) for _ in range(2))
     positions = torch.stack([torch.arange(40), (torch.arange(40) - 9).clamp(min=0)])  # row 1: 9 pads on the left
-    for cache in (eager, graph):
-        cache.update(keys[:, :, :40], values[:, :, :40], 0, kwargs={"position_ids": positions})
+    for cache in (eager, graph):  # the layer's own update: Cache.update takes position ids from transformers 5.24
+        cache.layers[0].update(keys[:, :, :40], values[:, :, :40], kwargs={"position_ids": positions})
     step = torch.compile(graph.layers[0].update, backend="aot_eager", fullgraph=True)
     for t in range(40, 64):
         kv = keys[:, :, t : t + 1], values[:, :, t : t + 1]
