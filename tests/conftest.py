@@ -30,12 +30,12 @@ else:
 import pytest
 import torch
 import transformers
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 # Under pytest-xdist (the README's test command runs two workers) each worker computes on one thread: two workers of
 # two threads each on two cores oversubscribe them, which makes small-tensor code many times slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 VOCAB = 256
 PROMPT_LEN = 64

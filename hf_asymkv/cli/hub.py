@@ -35,7 +35,7 @@ def _cmd_publish(args) -> int:
 
     overrides = {key: getattr(args, key) for key in SETTING_FLAGS if getattr(args, key) is not None}
     if args.layer_overrides is not None:
-        overrides["layer_overrides"] = read_layer_overrides(args.layer_overrides)
+        overrides["layer_overrides"] = _read_layer_overrides(args.layer_overrides)
     out = publish(args.model, args.scales, args.out, eval_results=args.eval_results, settings=overrides,
                   preset=args.preset, overwrite=args.overwrite, base_model=args.base_model, license=args.license,
                   repo_id=args.push_to_hub)
@@ -47,7 +47,7 @@ def _cmd_publish(args) -> int:
     return 0
 
 
-def read_layer_overrides(path: str) -> dict:
+def _read_layer_overrides(path: str) -> dict:
     """The per-layer settings in a JSON file: ``{"<layer index>": {setting: value}}``, an object with such a
     ``layer_overrides`` entry (``AsymKVConfig.to_dict()``), or a published ``asymkv_config.json`` (under
     ``settings``). Indices and settings are checked against the model by

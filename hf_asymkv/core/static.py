@@ -145,7 +145,10 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         filled = (start + n - boundary).clamp(min=0)  # window tokens, this update's included, before a flush
         flushed = (filled - self.residual_length).div(self.block_size, rounding_mode="floor").clamp(min=0)
         candidates = min(self.n_blocks, (self.window_tokens + n - self.residual_length) // self.block_size)
-        if candidates > 0:
+        # a step that stores no block (one decode step in block_size stores one) changes nothing by flushing: eagerly
+        # on a CPU it is skipped; a graph, and other devices (a host sync per step), flush at every step.
+        # (torch.cond here made generate's compiled step recompile once with the `kernels` package installed.)
+        if candidates > 0 and (torch.compiler.is_compiling() or self.device.type != "cpu" or bool(flushed)):
             self._flush(joined, candidates, flushed, boundary)
         for store, tokens in zip(self.stores, joined):
             store.keep_window(tokens, flushed * self.block_size)

@@ -107,37 +107,15 @@ class StaticTensorStore:
         """
         bs = self.spec.block_size
         x = tokens[:, :, : candidates * bs]
-        encoded = self._encode(x, scale, flushed_tokens > 0)
+        codes, scale, zero = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, scale)
         self.overlay.capture(x, boundary, flushed_tokens)
         rows = bs // self.spec.token_group
-        for buf, new in zip((self.codes, self.scales, self.zeros), encoded):
+        for buf, new in ((self.codes, codes.data), (self.scales, scale), (self.zeros, zero)):
             if buf is not None:
                 _write_slots(buf, new, targets, valid, bs if buf is self.codes else rows)
         b, h = x.shape[:2]
         nonfinite = (~torch.isfinite(x)).view(b, h, candidates, -1).sum(dim=(0, 1, 3))
         return (nonfinite * valid).sum()
-
-    def _encode(self, x: torch.Tensor, scale: torch.Tensor | None, any_stored: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(codes, scale, zero)`` of the blocks ``x`` ``[B, H, F * bs, D]``, shaped as the buffers' slots (``scale``:
-        a calibrated one, handed back as given).
-
-        Only a step that stores a block needs them (one decode step in ``block_size``): eagerly on a CPU the others
-        skip the quantization and hand zeros that no slot takes. A graph, and other devices, quantize at every step:
-        branching would cost a host sync per step on a GPU, and ``torch.cond`` here made ``generate``'s compiled
-        step recompile once when the ``kernels`` package (a transformers 5.25 dependency) is installed.
-        """
-        if x.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(any_stored):
-            b, h, m, d = x.shape
-            tg, cg = self.spec.groups(d)
-
-            def filler(buf: torch.Tensor | None) -> torch.Tensor | None:
-                return None if buf is None else torch.zeros(b, h, m // tg, d // cg, dtype=buf.dtype, device=x.device)
-
-            codes = torch.zeros(b, h, m, self.codes.shape[-1], dtype=self.codes.dtype, device=x.device)
-            return codes, filler(self.scales) if scale is None else scale, filler(self.zeros)
-        codes, scale, zero = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, scale)
-        return codes.data, scale, zero
 
     def read(self, tokens: torch.Tensor, boundary: torch.Tensor, max_len: int) -> torch.Tensor:
         """Dense ``[B, H, max_len, D]``: sinks, every block slot decoded, then ``tokens`` (:meth:`joined`) over the
@@ -150,8 +128,7 @@ class StaticTensorStore:
         ns, slots = self.sink_count, self.codes.shape[2]
         out[:, :, :ns] = self.sinks
         if slots:
-            read = dequantize_rotated if self.spec.rotated else dequantize
-            read(self._packed(), self.scales, self.zeros, self.spec, dtype=out.dtype, out=out[:, :, ns : ns + slots])
+            self._decode(out.dtype, out=out[:, :, ns : ns + slots])
         out[:, :, ns + slots :] = 0
         # positions past max_len clamp onto its last one; the value written is chosen by the position (exact from
         # the boundary on, as decoded before it), so every writer of a position writes the same value
@@ -171,8 +148,7 @@ class StaticTensorStore:
         ns, slots = self.sink_count, self.codes.shape[2]
         parts = [self.sinks] if ns else []
         if slots:
-            read = dequantize_rotated if self.spec.rotated else dequantize
-            parts.append(read(self._packed(), self.scales, self.zeros, self.spec, dtype=tokens.dtype))
+            parts.append(self._decode(tokens.dtype))
         if max_len > ns + slots:
             parts.append(tokens.new_zeros(b, h, max_len - ns - slots, d))
         out = torch.cat(parts, dim=2)
@@ -188,8 +164,11 @@ class StaticTensorStore:
             out = torch.where(inside[:, None, :, None], overlay.tokens.gather(2, index), out)
         return out
 
-    def _packed(self) -> PackedCodes:
-        return PackedCodes(self.codes, self.spec.bits, self.spec.layout, self.spec.block_size)
+    def _decode(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every block slot decoded: ``[B, H, NB * bs, D]`` in ``dtype`` (into ``out`` when given)."""
+        read = dequantize_rotated if self.spec.rotated else dequantize
+        codes = PackedCodes(self.codes, self.spec.bits, self.spec.layout, self.spec.block_size)
+        return read(codes, self.scales, self.zeros, self.spec, dtype=dtype, out=out)
 
     def keep_window(self, tokens: torch.Tensor, shift: torch.Tensor) -> None:
         """The window after this update: ``tokens`` (:meth:`joined`) from slot ``shift`` (the tokens just quantized
