@@ -178,11 +178,17 @@ for _name in PRESET_NAMES:
                                                 _static_preset(_name))
     STATIC_SCHEMES[f"asymkv-{_name}-static-compiled"] = (
         f"ours, preset {_name!r}, static (max_cache_len), decode step under torch.compile", _static_preset(_name))
+    STATIC_SCHEMES[f"asymkv-{_name}-static-fused"] = (
+        f"ours, preset {_name!r}, static, attention over the codes (attn_implementation='asymkv_sdpa'), eager",
+        _static_preset(_name))
+    STATIC_SCHEMES[f"asymkv-{_name}-static-fused-compiled"] = (
+        f"ours, preset {_name!r}, static, attention over the codes (attn_implementation='asymkv_sdpa'), decode step "
+        "under torch.compile", _static_preset(_name))
 COMPILED = frozenset(name for name in STATIC_SCHEMES if name.endswith("-compiled"))
 """Static schemes whose decode step runs ``torch.compile(model.forward, fullgraph=True, dynamic=False)``."""
 
 # Schemes that need the model's attention implementation switched while they run.
-ATTENTION = {name: "asymkv_sdpa" for name in SCHEMES if name.endswith("-fused")}
+ATTENTION = {name: "asymkv_sdpa" for name in [*SCHEMES, *STATIC_SCHEMES] if "-fused" in name}
 """hf_asymkv.core.attention.ATTN_IMPLEMENTATION (a test holds them equal)"""
 
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 
 from .backend import triton_fused_attention
-from .kv_view import HEADWISE_MASKING_REFUSED, QuantizedKV, SinkOverlayView, write_rows
+from .kv_view import HEADWISE_MASKING_REFUSED, QuantizedKV, SinkOverlayView, mask_bias, write_rows
 from .quant import decode_codes
 from .rotation import rotate, unrotate
+from .static_attention import StaticQuantizedKV, static_fused_attention
 
 __all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "asymkv_sdpa_attention", "fused_attention", "register"]
 
@@ -103,22 +104,6 @@ def _parts(kv: QuantizedKV) -> tuple[torch.Tensor, torch.Tensor]:
     return prefix, kv.tail
 
 
-def _mask_bias(attention_mask: torch.Tensor | None, b: int, h: int, n_rep: int, q_len: int, kv_len: int,
-               dtype: torch.dtype, device) -> torch.Tensor | None:
-    """Additive ``[B, H, n_rep * q, kv]`` bias (0 / -inf) from a bool or float mask, or the causal one if None."""
-    if attention_mask is None:
-        if q_len == 1:
-            return None
-        rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-        attention_mask = (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
-    mask = attention_mask[..., -kv_len:]  # [B or 1, 1 or Hq, q, kv]
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    # one mask for all heads: repeat it for each of a KV head's n_rep query heads; per-head masks: group them
-    heads = n_rep if mask.shape[1] == 1 else h * n_rep
-    return mask.to(dtype).expand(b, heads, q_len, kv_len).reshape(b, -1, n_rep * q_len, kv_len)
-
-
 def _overlay_scores(q: torch.Tensor, overlay: SinkOverlayView, bias: torch.Tensor | None, kv_len: int
                     ) -> torch.Tensor:
     """Scores ``[B, H, R, S]`` of the exact sink overlay: ``q`` against its tokens, with the mask of their positions;
@@ -153,7 +138,7 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     scores = torch.cat([q @ k_pre.to(work).transpose(-1, -2), quantized,
                         q @ k_tail.to(work).transpose(-1, -2)], dim=-1)  # [B, H, n_rep*q, kv]
     kv_len = scores.shape[-1]
-    bias = _mask_bias(attention_mask, b, h, n_rep, q_len, kv_len, work, query.device)
+    bias = mask_bias(attention_mask, b, h, n_rep, q_len, kv_len, work, query.device)
     if bias is not None:
         scores = scores + bias
     if overlay is not None:
@@ -169,13 +154,21 @@ def fused_attention(query: torch.Tensor, key: QuantizedKV, value: QuantizedKV, a
     return out.view(b, h, n_rep, q_len, dv).reshape(b, hq, q_len, dv).transpose(1, 2).to(query.dtype).contiguous()
 
 
-def _refused(module, key: QuantizedKV, dropout: float, kwargs: dict) -> str | None:
-    """A feature of the call that neither fused backend serves (such calls decode densely), or None."""
+def _static_refused(module, dropout: float, kwargs: dict) -> str | None:
+    """A feature of the call that the static fused attention does not serve (such calls decode densely), or None."""
     for name in ("sliding_window", "s_aux"):
         if kwargs.get(name) is not None:
             return f"attention with {name}"
     if dropout > 0 and module.training:
         return f"dropout {dropout} in training"
+    return None
+
+
+def _refused(module, key: QuantizedKV, dropout: float, kwargs: dict) -> str | None:
+    """A feature of the call that neither fused backend serves (such calls decode densely), or None."""
+    refused = _static_refused(module, dropout, kwargs)
+    if refused is not None:
+        return refused
     if not _foldable(key, key.tail.shape[-1]):
         return f"keys with one scale per {key.spec.granularity!r} group (not per block)"
     return None
@@ -203,6 +196,11 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     # key); refused on every read after it, dense or not, so that masking is never skipped silently.
     if getattr(module, "masked_key_indices", None) is not None and query.shape[2] < key.shape[2]:
         raise ValueError(f"{HEADWISE_MASKING_REFUSED}.")
+    if isinstance(key, StaticQuantizedKV):  # a static layer's parts: read at fixed shapes (compiled decode steps)
+        if query.shape[2] <= FUSED_MAX_QUERY_TOKENS and _static_refused(module, dropout, kwargs) is None:
+            scale = scaling if scaling is not None else key.shape[-1] ** -0.5
+            return static_fused_attention(query, key, value, attention_mask, scale), None
+        key, value = key.dense(), value.dense()
     if isinstance(key, QuantizedKV):
         if key.n_quantized and query.shape[2] <= FUSED_MAX_QUERY_TOKENS:
             refused = _refused(module, key, dropout, kwargs)

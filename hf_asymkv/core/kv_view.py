@@ -18,7 +18,7 @@ from .packing import PackedCodes
 from .quant import QuantSpec, dequantize
 from .rotation import dequantize_rotated
 
-__all__ = ["HEADWISE_MASKING_REFUSED", "QuantizedKV", "SinkOverlayView", "write_rows"]
+__all__ = ["HEADWISE_MASKING_REFUSED", "QuantizedKV", "SinkOverlayView", "mask_bias", "write_rows"]
 
 HEADWISE_MASKING_REFUSED = (
     "head-wise presses (kvpress's AdaKVPress, CriticalAdaKVPress, DuoAttentionPress, KVzipPress and others that set "
@@ -56,6 +56,22 @@ def write_rows(out: torch.Tensor, dim: int, positions: torch.Tensor, valid: torc
     index = spread(target)
     new = values.gather(dim, spread(slot)) if isinstance(values, torch.Tensor) else values
     out.scatter_(dim, index, torch.where(spread(ok), new, out.gather(dim, index)))
+
+
+def mask_bias(attention_mask: torch.Tensor | None, b: int, h: int, n_rep: int, q_len: int, kv_len: int,
+               dtype: torch.dtype, device) -> torch.Tensor | None:
+    """Additive ``[B, H, n_rep * q, kv]`` bias (0 / -inf) from a bool or float mask, or the causal one if None."""
+    if attention_mask is None:
+        if q_len == 1:
+            return None
+        rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        attention_mask = (torch.arange(kv_len, device=device)[None, :] <= rows)[None, None]
+    mask = attention_mask[..., -kv_len:]  # [B or 1, 1 or Hq, q, kv]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    # one mask for all heads: repeat it for each of a KV head's n_rep query heads; per-head masks: group them
+    heads = n_rep if mask.shape[1] == 1 else h * n_rep
+    return mask.to(dtype).expand(b, heads, q_len, kv_len).reshape(b, -1, n_rep * q_len, kv_len)
 
 
 @dataclass

@@ -185,11 +185,14 @@ def _split_planes(part: torch.Tensor, width: int, shift: int, planes: torch.Tens
 def _unpack_token_planes(rows: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
     """:func:`unpack_codes` of token-packed blocks without in-place writes: ``[B, H, nb, block_size * bits / 8, D]``
     byte rows -> ``[B, H, nb, block_size, D]`` codes (the same bytes, for compiled graphs)."""
+    b, h, nb, _, d = rows.shape
     codes, start, shift = None, 0, 0
     for width in plane_widths(bits):
-        per_byte, r, mask = 8 // width, block_size * width // 8, (1 << width) - 1
-        part = rows[:, :, :, start : start + r]
-        plane = torch.cat([(part >> (j * width)) & mask for j in range(per_byte)], dim=3)
+        r, mask = block_size * width // 8, (1 << width) - 1
+        part = rows[:, :, :, None, start : start + r]  # [B, H, nb, 1, r, D]
+        shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=rows.device).view(-1, 1, 1)
+        # one broadcast shift, not a concatenation of planes: the compiler inlines it into what reads the codes
+        plane = ((part >> shifts) & mask).reshape(b, h, nb, block_size, d)
         codes = plane if codes is None else codes | (plane << shift)
         start, shift = start + r, shift + width
     return codes

@@ -28,8 +28,12 @@ graph, with no recompilation per step or per block:
 What it does not do, unlike the dynamic layer: defer quantization (``activate_past_recording``,
 ``keep_latest_exact``: a crop of at most ``residual_length`` tokens is exact anyway, a deeper one raises), widen a
 store's metadata to float32 (a value beyond float16's range saturates its group), raise on a calibrated key range's
-overflow (``overflow_policy="error"`` is refused: a graph cannot stop on data), hand the fused attention codes
-(``attn_implementation="asymkv_sdpa"`` gets dense K/V), change the batch size, or grow.
+overflow (``overflow_policy="error"`` is refused: a graph cannot stop on data), change the batch size, or grow.
+
+With ``attn_implementation="asymkv_sdpa"`` the layer hands attention a
+:class:`~hf_asymkv.core.static_attention.StaticQuantizedKV` (its stored parts, at fixed shapes) instead of the dense
+read-out, and :func:`~hf_asymkv.core.static_attention.static_fused_attention` reads the codes: no dense K/V of
+``max_cache_len`` tokens per step.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from .config import LayerConfig
 from .layer import check_layer_config
 from .quant import scale_from_absmax
 from .sinks import row_anchors
+from .static_attention import StaticQuantizedKV
 from .static_store import StaticTensorStore
 
 __all__ = ["STATIC_COUNTERS", "StaticAsymKVLayer"]
@@ -87,7 +92,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self.window_tokens = min(config.residual_length + config.block_size, rest)
         self.stores = (StaticTensorStore("key", config.key_spec, self.sink_count),
                        StaticTensorStore("value", config.value_spec, self.sink_count))
-        self.return_views = False  # set by AsymKVCache; a static layer always hands dense K/V
+        self.return_views = False  # set by AsymKVCache: hand the fused attention StaticQuantizedKV, not dense K/V
         self.record_past = False  # transformers' name; nothing is deferred here (see the module docstring)
         self.batch_size = 0
 
@@ -139,9 +144,13 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         for store, new in zip(self.stores, (key_states, value_states)):
             store.write_sinks(new, start)
             joined.append(store.joined(new, start - boundary))
-        # read before the flush: what it stores lies at or after the boundary, where the read takes the exact tokens
-        # anyway (a compiled graph would otherwise decode every slot through the scatter that writes one of them)
-        out = tuple(store.read(tokens, boundary, self.max_cache_len) for store, tokens in zip(self.stores, joined))
+        if self.return_views:  # the fused attention reads the stored parts (the block flushed below lies at or past
+            # the boundary, where the view takes the exact tokens)
+            out = tuple(StaticQuantizedKV(store, tokens, boundary, start.clone(), self.max_cache_len)
+                        for store, tokens in zip(self.stores, joined))
+        else:  # read before the flush: what it stores lies at or after the boundary, where the read takes the exact
+            # tokens anyway (a compiled graph would otherwise decode every slot through the scatter that writes one)
+            out = tuple(store.read(tokens, boundary, self.max_cache_len) for store, tokens in zip(self.stores, joined))
         filled = (start + n - boundary).clamp(min=0)  # window tokens, this update's included, before a flush
         flushed = (filled - self.residual_length).div(self.block_size, rounding_mode="floor").clamp(min=0)
         candidates = min(self.n_blocks, (self.window_tokens + n - self.residual_length) // self.block_size)

@@ -16,7 +16,7 @@ import torch
 from .kv_view import write_rows
 from .packing import PackedCodes
 from .quant import QuantSpec, dequantize
-from .rotation import dequantize_rotated
+from .rotation import dequantize_rotated, hadamard
 from .sinks import SinkOverlay
 from .store import encode_blocks, stored_form
 
@@ -40,7 +40,7 @@ class StaticTensorStore:
     def __init__(self, kind: str, spec: QuantSpec, sink_count: int):
         self.kind, self.spec, self.sink_count = kind, spec, sink_count
         self.overlay = SinkOverlay(sink_count)
-        self.sinks = self.codes = self.scales = self.zeros = self.window = None
+        self.sinks = self.codes = self.scales = self.zeros = self.window = self.rotation = None
         self.heads = self.head_dim = 0
 
     def allocate(self, like: torch.Tensor, n_blocks: int, window_tokens: int) -> None:
@@ -61,6 +61,8 @@ class StaticTensorStore:
         self.scales = torch.zeros(b, h, slots // tg, d // cg, **meta)
         self.zeros = None if self.spec.symmetric else torch.zeros(b, h, slots // tg, d // cg, **meta)
         self.window = like.new_zeros(b, h, window_tokens, d)
+        # the rotation as a tensor of the store: a graph reads it instead of calling the cached constructor
+        self.rotation = hadamard(d, torch.float32, like.device) if self.spec.rotated else None
         if self.sink_count:
             self.overlay.preallocate(b, h, d, like.dtype, like.device)
 
@@ -107,7 +109,7 @@ class StaticTensorStore:
         """
         bs = self.spec.block_size
         x = tokens[:, :, : candidates * bs]
-        codes, scale, zero = encode_blocks(stored_form(x, self.spec, clean=True), self.spec, scale)
+        codes, scale, zero = encode_blocks(stored_form(x, self.spec, True, self.rotation), self.spec, scale)
         self.overlay.capture(x, boundary, flushed_tokens)
         rows = bs // self.spec.token_group
         for buf, new in ((self.codes, codes.data), (self.scales, scale), (self.zeros, zero)):
@@ -203,6 +205,8 @@ class StaticTensorStore:
 def _write_slots(buf: torch.Tensor, new: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, rows: int) -> None:
     """Write ``new`` ``[B, H, F * rows, ...]`` into slots ``targets`` ``[F]`` of ``buf`` ``[B, H, NB * rows, ...]`` where
     ``valid`` ``[F]``; the other targeted slots are rewritten with what they hold (the targets are distinct)."""
+    if buf.dtype.itemsize == 1 and buf.dtype.is_floating_point:  # fp8 codes: CPU index_copy_ has no float8 kernel,
+        buf, new = buf.view(torch.uint8), new.view(torch.uint8)  # their bytes move the same
     b, h = buf.shape[:2]
     slots = buf.view(b, h, -1, rows, *buf.shape[3:])
     new = new.reshape(b, h, -1, rows, *new.shape[3:])

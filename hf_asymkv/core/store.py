@@ -30,12 +30,15 @@ from .sinks import SinkOverlay
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore", "encode_blocks", "stored_form"]
 
 
-def stored_form(x: torch.Tensor, spec: QuantSpec, clean: bool) -> torch.Tensor:
+def stored_form(x: torch.Tensor, spec: QuantSpec, clean: bool, rotation: torch.Tensor | None = None) -> torch.Tensor:
     """What is quantized of ``x`` ``[B, H, m, D]``: ``x @ H`` (float32) for a rotated spec, with NaN/inf first set to 0
-    when ``clean`` (rotating an inf would spread it over the token's every channel); ``x`` itself otherwise."""
+    when ``clean`` (rotating an inf would spread it over the token's every channel); ``x`` itself otherwise.
+    ``rotation``: ``H`` (float32 ``[D, D]``) when the caller holds it (a static store: a graph then reads it rather
+    than building it), else :func:`~hf_asymkv.core.rotation.hadamard`'s."""
     if not spec.rotated:
         return x
-    return rotate(torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) if clean else x)
+    x = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) if clean else x
+    return rotate(x) if rotation is None else x.float() @ rotation
 
 
 def encode_blocks(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor | None = None

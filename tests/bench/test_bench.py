@@ -46,4 +46,5 @@ def test_scheme_attention_names_the_core_implementation():
     from hf_asymkv.core.attention import ATTN_IMPLEMENTATION
 
     assert set(ATTENTION.values()) == {ATTN_IMPLEMENTATION}
-    assert set(ATTENTION) == {"asymkv-fused", *(f"asymkv-{name}-fused" for name in PRESET_NAMES)}
+    assert set(ATTENTION) == {"asymkv-fused", *(f"asymkv-{name}-fused" for name in PRESET_NAMES),
+                              *(f"asymkv-{name}-static-fused{tail}" for name in PRESET_NAMES for tail in ("", "-compiled"))}

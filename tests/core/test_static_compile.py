@@ -63,6 +63,23 @@ def test_compiled_decode_equals_eager_without_recompiling(llama, prompt):
     _check_compiled_run(llama, prompt[:, :40], "balanced")
 
 
+def test_fused_attention_compiled_decode_equals_eager(llama, prompt):
+    """``attn_implementation="asymkv_sdpa"``: the static layers hand their codes to the attention
+    (:mod:`hf_asymkv.core.static_attention`), and the compiled step reads them in the graph: one graph, no break,
+    the eager static and the dynamic (fused) caches' tokens."""
+    import copy
+
+    from hf_asymkv import register_attention
+
+    register_attention()
+    fused = copy.deepcopy(llama)
+    for name in ("_compiled_call", "_last_compile_config"):  # a copy would keep the compiled call of `llama` (sdpa)
+        fused.__dict__.pop(name, None)
+    fused.set_attn_implementation("asymkv_sdpa")
+    assert AsymKVCache(fused.config, max_cache_len=8).fused_attention
+    _check_compiled_run(fused, prompt[:, :40], "compact")
+
+
 @pytest.mark.slow
 def test_default_model_compiled_decode_equals_eager():
     from hf_asymkv.models import load_model
