@@ -90,6 +90,8 @@ GPU_SCHEMES: dict[str, GPUScheme] = {
     # issue 20: the preallocated AsymKVCache(max_cache_len=...) and transformers' StaticCache, decode step compiled
     "balanced-static-compiled": GPUScheme("ours, balanced, static cache, torch.compile",
                                           "asymkv-balanced-static-compiled", compiled=True),
+    "balanced-static-fused-compiled": GPUScheme("ours, balanced, static cache, attention over the codes, torch.compile",
+                                                "asymkv-balanced-static-fused-compiled", compiled=True),
     "hf-static-compiled": GPUScheme("transformers StaticCache (bf16 K/V), torch.compile", "hf-static-compiled",
                                     compiled=True),
 }

@@ -5,18 +5,20 @@ block slot decoded at every step. With the fused attention it hands a :class:`St
 :func:`static_fused_attention` computes attention from what is stored, at fixed shapes (a compiled step stays one
 graph, whatever the length):
 
-- scores: ``q . k`` for the exact sinks and window, and for every block slot ``q . (s c + z)`` summed over
-  ``head_dim``, written as a broadcast product and a sum rather than a matmul, so that the compiler fuses the
-  unpacking, the conversion and the scale into one reduction that reads the codes once (an eager call
-  materializes the product: it is the reference, not the fast path);
-- positions are the static layer's: sinks, block slots, then filler; the exact window (and this update's tokens)
-  replaces the positions from the layer's boundary on, left-padded rows' exact sinks replace theirs inside the
-  quantized region; positions no token fills are hidden by the attention mask;
-- values: the softmax weights of the block slots times ``s c + z``, summed over the slots (rotated values are mixed
-  as stored and only the ``[B, H, R, D]`` output is rotated back); the exact parts by matmul.
+- scores: ``q . k`` for the exact sinks and window, and for every block slot ``(q s) . c + q . z`` (the keys'
+  scales per block and channel folded into the query), written, when compiled, as a broadcast product and a sum
+  rather than a matmul, so that the compiler fuses the unpacking and the conversion into one reduction that reads
+  the codes once (eagerly: the codes converted once, then batched matmuls);
+- one softmax over four segments, each with the attention mask of the positions it holds: the exact sinks, the
+  block slots (those at or past the layer's boundary hold no stored block yet and left-padded rows' sinks have
+  exact copies: both masked out), the exact window with this update's tokens (positions ``boundary + i``) and the
+  padded rows' exact sinks; positions no token fills are hidden by the mask;
+- values: ``sum (p s) c + sum p z`` over the block slots (the values' per-token scales folded into the softmax
+  weights), the same way; rotated values are mixed as stored and only the ``[B, H, R, D]`` output is rotated back;
+  the exact parts by matmul.
 
-Nothing dense of ``max_cache_len`` tokens is built for K or V; the scores and weights are ``[B, H, n_rep * q,
-max_cache_len]``, as eager attention's.
+Nothing dense of ``max_cache_len`` tokens is built for K or V when compiled; the scores and weights are
+``[B, H, n_rep * q, sinks + slots + window (+ sinks)]``, about eager attention's ``max_cache_len``.
 """
 
 from __future__ import annotations
@@ -145,8 +147,13 @@ def _slot_scores(q: torch.Tensor, store) -> torch.Tensor:
         return _generic_scores(q, store)
     qs = q[:, :, :, None, :] * _expand_channels(store.scales.to(q.dtype), d)[:, :, None]  # [B, H, R, NB, D]
     nb = qs.shape[3]
-    scores = sum(factor * (qs[:, :, :, :, None, None, :] * part[:, :, None]).sum(-1).view(b, h, r, nb, -1)
-                 for factor, part in _code_parts(store, q.dtype))  # [B, H, R, NB, block_size]
+    if torch.compiler.is_compiling():  # one fused reduction per part, reading the codes
+        scores = sum(factor * (qs[:, :, :, :, None, None, :] * part[:, :, None]).sum(-1).view(b, h, r, nb, -1)
+                     for factor, part in _code_parts(store, q.dtype))  # [B, H, R, NB, block_size]
+    else:  # eagerly: the parts converted once, one batched matmul per block
+        per_block = qs.transpose(2, 3)  # [B, H, NB, R, D]
+        scores = sum(factor * (per_block @ part.reshape(b, h, nb, -1, d).transpose(-1, -2)).transpose(2, 3)
+                     for factor, part in _code_parts(store, q.dtype))
     per_block = None
     if store.zeros is not None:
         per_block = (q[:, :, :, None, :] * _expand_channels(store.zeros.to(q.dtype), d)[:, :, None]).sum(-1)
@@ -155,7 +162,7 @@ def _slot_scores(q: torch.Tensor, store) -> torch.Tensor:
         per_block = shifted if per_block is None else per_block + shifted
     if per_block is not None:
         scores = scores + per_block[..., None]
-    return scores.view(b, h, r, -1)
+    return scores.reshape(b, h, r, -1)
 
 
 def _slot_mix(p: torch.Tensor, store) -> torch.Tensor:
@@ -175,10 +182,15 @@ def _slot_mix(p: torch.Tensor, store) -> torch.Tensor:
     ws = p[..., None] * store.scales.to(p.dtype)[:, :, None]  # [B, H, R, slots, G]
     out = 0.0
     for factor, part in _code_parts(store, p.dtype):
-        nb, k, rows = part.shape[2:5]
-        weights = ws.view(b, h, r, nb, k, rows, groups, 1)
-        codes = part.view(b, h, 1, nb, k, rows, groups, cg)
-        out = out + factor * (weights * codes).sum(dim=(3, 4, 5))  # [B, H, R, G, cg]
+        if torch.compiler.is_compiling():  # one fused reduction per part, reading the codes
+            nb, k, rows = part.shape[2:5]
+            weights = ws.view(b, h, r, nb, k, rows, groups, 1)
+            codes = part.view(b, h, 1, nb, k, rows, groups, cg)
+            mixed = (weights * codes).sum(dim=(3, 4, 5))  # [B, H, R, G, cg]
+        else:  # eagerly: the part converted once, one matmul per group
+            codes = part.reshape(b, h, slots, groups, cg).transpose(2, 3)  # [B, H, G, slots, cg]
+            mixed = (ws.permute(0, 1, 4, 2, 3) @ codes).transpose(2, 3)  # [B, H, R, G, cg]
+        out = out + factor * mixed
     per_group = None
     if store.zeros is not None:
         per_group = (p[..., None] * store.zeros.to(p.dtype)[:, :, None]).sum(3)  # [B, H, R, G]

@@ -10,19 +10,17 @@ whole-model ``hf-asymkv bench`` swings with the machine, the minimum here much l
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import torch
+from static_layer_step import CONFIG, setup  # this folder's: SmolLM2's attention shape, the command line
 from torch.nn.functional import scaled_dot_product_attention
-from transformers import DynamicCache, LlamaConfig, StaticCache
+from transformers import DynamicCache, StaticCache
 
 from hf_asymkv import AsymKVCache, register_attention
 from hf_asymkv.core.attention import ATTN_IMPLEMENTATION, asymkv_sdpa_attention
 
-# SmolLM2-135M's attention shape: 9 query heads sharing 3 KV heads of 64 channels.
-CONFIG = LlamaConfig(num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, head_dim=64)
 SCALING = 64**-0.5
 
 
@@ -63,16 +61,7 @@ def time_steps(cache, step, prefill, steps: int, compiled: bool, static: bool) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="balanced")
-    parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    g = torch.Generator().manual_seed(0)
-    prefill = tuple(torch.randn(1, 3, args.length, 64, generator=g) for _ in range(2))
-    room = args.length + args.steps + 1
+    args, prefill, room = setup(__doc__, steps=200)
 
     register_attention()
     fused_config = copy.deepcopy(CONFIG)

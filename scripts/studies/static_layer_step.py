@@ -36,17 +36,23 @@ def time_updates(cache, prefill: tuple[torch.Tensor, torch.Tensor], steps: int, 
     return times[0] * 1e3, times[len(times) // 2] * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def setup(doc: str, steps: int) -> tuple[argparse.Namespace, tuple[torch.Tensor, torch.Tensor], int]:
+    """The command line of a one-layer study (``--preset``, ``--length``, ``--steps``, ``--threads``, threads set):
+    ``(args, (keys, values) of the prefill [1, 3, length, 64], max_cache_len for the prefill and every step)``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--preset", default="balanced")
     parser.add_argument("--length", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     prefill = tuple(torch.randn(1, 3, args.length, 64, generator=g) for _ in range(2))
-    room = args.length + args.steps + 1
+    return args, prefill, args.length + args.steps + 1
+
+
+def main() -> None:
+    args, prefill, room = setup(__doc__, steps=120)
     rows = [("DynamicCache", lambda: DynamicCache(config=CONFIG), False),
             (f"{args.preset}, dynamic", lambda: AsymKVCache.from_preset(args.preset, CONFIG), False),
             (f"{args.preset}, static, eager", lambda: AsymKVCache.from_preset(args.preset, CONFIG, max_cache_len=room),

@@ -99,13 +99,15 @@ def test_static_schemes_compile_once_and_store_alike(llama):
 
     torch._dynamo.reset()
     counters.clear()
-    schemes = ["hf-static-compiled", "asymkv-balanced-static", "asymkv-balanced-static-compiled"]
+    schemes = ["hf-static-compiled", "asymkv-balanced-static", "asymkv-balanced-static-compiled",
+               "asymkv-balanced-static-fused-compiled"]
     # the eager backend: the same tracing (fullgraph, one graph per compiled scheme) without inductor's minutes
     rows = measure_decode_speed(llama, schemes, [300], new_tokens=2, repeats=2, compile_backend="eager")
     assert [r.scheme for r in rows] == ["dynamic", *schemes]
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # warm-up compiled, runs reused
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]  # warm-up compiled, runs reused
     by = {r.scheme: r for r in rows}
-    assert by["asymkv-balanced-static"].kv_bytes == by["asymkv-balanced-static-compiled"].kv_bytes
+    assert (by["asymkv-balanced-static"].kv_bytes == by["asymkv-balanced-static-compiled"].kv_bytes
+            == by["asymkv-balanced-static-fused-compiled"].kv_bytes)
     assert by["asymkv-balanced-static"].kv_bytes < by["hf-static-compiled"].kv_bytes
 
 

@@ -85,29 +85,27 @@ def test_fused_equals_sdpa_over_the_dense_read_out(name, n_rep, q_len):
         assert layer.sink_count <= PADS < layer.sink_count + stored
 
 
+def _views(name: str, prefill: int, q_len: int, max_len: int, seed: int, dtype=torch.float32):
+    """A one-row static layer of config ``name`` (4 query heads on 2 K/V heads of 16 channels) handing views, after a
+    ``prefill``-token update: ``(key, value, query)`` of a ``q_len``-token update."""
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    layer = AsymKVCache(config, CONFIGS[name], max_cache_len=max_len).layers[0]
+    layer.return_views = True
+    g = torch.Generator().manual_seed(seed)
+    layer.update(*torch.randn(2, 1, 2, prefill, 16, generator=g).to(dtype))
+    key, value = layer.update(*torch.randn(2, 1, 2, q_len, 16, generator=g).to(dtype))
+    return key, value, torch.randn(1, 4, q_len, 16, generator=g).to(dtype)
+
+
 def test_without_a_mask_it_is_causal_from_the_filled_length():
     """No mask: positions up to each query's own (the static layer's filler after them is not attended)."""
-    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    cache = AsymKVCache(config, CONFIGS["balanced"], max_cache_len=64)
-    layer = cache.layers[0]
-    layer.return_views = True
-    g = torch.Generator().manual_seed(1)
-    layer.update(*torch.randn(2, 1, 2, 30, 16, generator=g))
-    key, value = layer.update(*torch.randn(2, 1, 2, 2, 16, generator=g))
-    q = torch.randn(1, 4, 2, 16, generator=g)
+    key, value, q = _views("balanced", 30, 2, 64, seed=1)
     want = _reference(q, key, value, _mask(30, 2, 64)[:1], 0.3)
     torch.testing.assert_close(static_fused_attention(q, key, value, None, 0.3), want, atol=2e-5, rtol=1e-4)
 
 
 def test_half_precision_inputs():
-    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    cache = AsymKVCache(config, CONFIGS["compact"], max_cache_len=64)
-    layer = cache.layers[0]
-    layer.return_views = True
-    g = torch.Generator().manual_seed(2)
-    layer.update(*torch.randn(2, 1, 2, 40, 16, generator=g).to(torch.bfloat16))
-    key, value = layer.update(*torch.randn(2, 1, 2, 1, 16, generator=g).to(torch.bfloat16))
-    q = torch.randn(1, 4, 1, 16, generator=g).to(torch.bfloat16)
+    key, value, q = _views("compact", 40, 1, 64, seed=2, dtype=torch.bfloat16)
     got = static_fused_attention(q, key, value, None, 0.25)
     assert got.dtype == torch.bfloat16 and got.shape == (1, 1, 4, 16)
     k, v = (t.dense().float().repeat_interleave(2, dim=1) for t in (key, value))
@@ -123,15 +121,8 @@ def test_refused_calls_take_sdpa_over_the_dense_read_out(monkeypatch, why):
 
     calls = []
     monkeypatch.setattr(attention_mod, "static_fused_attention", lambda *a, **k: calls.append(1))
-    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    cache = AsymKVCache(config, CONFIGS["balanced"], max_cache_len=80)
-    layer = cache.layers[0]
-    layer.return_views = True
-    g = torch.Generator().manual_seed(3)
-    layer.update(*torch.randn(2, 1, 2, 40, 16, generator=g))
     q_len = FUSED_MAX_QUERY_TOKENS + 1 if why == "long_query" else 1
-    key, value = layer.update(*torch.randn(2, 1, 2, q_len, 16, generator=g))
-    q = torch.randn(1, 4, q_len, 16, generator=g)
+    key, value, q = _views("balanced", 40, q_len, 80, seed=3)
     mask = _mask(40, q_len, 80)[:1]
     kwargs = {"sliding_window": 4096} if why == "sliding_window" else {}
     got, _ = asymkv_sdpa_attention(_Module(), q, key, value, mask, scaling=0.25, **kwargs)
