@@ -81,10 +81,14 @@ def test_fused_attention_compiled_decode_equals_eager(llama, prompt):
 
 
 @pytest.mark.slow
-def test_default_model_compiled_decode_equals_eager():
+@pytest.mark.parametrize("attention", ["sdpa", "asymkv_sdpa"])
+def test_default_model_compiled_decode_equals_eager(attention):
+    from hf_asymkv import register_attention
     from hf_asymkv.models import load_model
 
+    register_attention()
     model, _ = load_model()
+    model.set_attn_implementation(attention)  # asymkv_sdpa: the compiled step attends over the codes
     model.model.layers = model.model.layers[:2]  # see the module docstring
     model.config.num_hidden_layers = 2
     if getattr(model.config, "layer_types", None):
