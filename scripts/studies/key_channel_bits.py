@@ -5,7 +5,8 @@ whose queries are large, or whose blocks span a wide range, costs more than the 
 study gives the ``n_hi`` channels of each (layer, KV head) with the largest ``E[q_c^2] * E[range_c^2]`` (queries
 over a calibration text, ranges over its 64-token blocks) ``hi`` bits and the others ``lo`` bits, and compares the
 attention KL with uniform widths at the same code bits per element, and with the same widths on channels drawn at
-random (what the choice of channels buys, apart from mixing two widths).
+random (what the choice of channels buys, apart from mixing two widths), and chosen by the keys' block ranges alone
+(``E[range_c^2]``, what a cache could do without any calibration).
 
 What is simulated: keys are rounded per channel in ``--block``-token blocks (asymmetric min-max, float16 scale
 and zero, the last partial block exact), exactly what the stores do for int2/int3/int4 keys; the scale bytes are
@@ -139,9 +140,12 @@ def main() -> None:
             for n_hi, hi, lo in MIXES:
                 bits = (n_hi * hi + (k.shape[-1] - n_hi) * lo) / k.shape[-1]
                 calibrations = {**sources, "the prompt itself (oracle)": here}
-                for source, cal in [*calibrations.items(), ("random (control)", None)]:
+                for source, cal in [*calibrations.items(), ("keys' own block ranges (no queries)", "keys"),
+                                    ("random (control)", None)]:
                     if cal is None:  # the same widths on channels drawn at random: what the choice itself buys
                         w = torch.rand(k.shape[0], k.shape[-1], generator=torch.Generator().manual_seed(layer))
+                    elif cal == "keys":  # what a cache sees by itself: E[range_c^2] of the keys it stores
+                        w = channel_weights(torch.ones_like(k), k, args.block)
                     else:
                         w = channel_weights(*cal[layer], args.block)
                     add(f"{n_hi} ch x int{hi} + rest int{lo}", bits, source,
