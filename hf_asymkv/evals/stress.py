@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch loads inside the functions: the CLI parses --stress-outliers without it
     import torch
 
-__all__ = ["OUTLIER_PRESETS", "PairScale", "add_key_outliers", "key_pair_ranges", "layer_ratios",
-           "parse_outlier_spec", "scale_key_pair", "stress_description", "stress_model"]
+__all__ = ["OUTLIER_PRESETS", "PairScale", "add_key_outliers", "forward_with_hooks", "key_pair_ranges",
+           "layer_ratios", "parse_outlier_spec", "scale_key_pair", "stress_description", "stress_model"]
 
 OUTLIER_PRESETS = {
     # Qwen2/2.5's pattern: huge outliers in the first and last layers, mild ones elsewhere
@@ -139,14 +139,21 @@ def key_pair_ranges(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
             ranges[index] = torch.hypot(k[..., :half], k[..., half:]).amax(0).cpu()
         return record
 
-    handles = [attn.k_proj.register_forward_hook(hook(i)) for i, attn in enumerate(modules)]
+    forward_with_hooks(model, input_ids, [attn.k_proj.register_forward_hook(hook(i)) for i, attn in enumerate(modules)])
+    return [ranges[i] for i in range(len(modules))]
+
+
+def forward_with_hooks(model, input_ids: torch.Tensor, handles: list) -> None:
+    """One forward pass over ``input_ids`` (no cache, no gradients) for the hooks behind ``handles`` to record
+    what they need; the hooks are removed afterwards, also when the pass fails."""
+    import torch
+
     try:
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
     finally:
         for handle in handles:
             handle.remove()
-    return [ranges[i] for i in range(len(modules))]
 
 
 def layer_ratios(spec: Mapping, num_layers: int) -> dict[int, float]:

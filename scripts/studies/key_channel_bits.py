@@ -33,7 +33,7 @@ from hf_asymkv.evals.evaluate import encode_prompt
 from hf_asymkv.evals.haystack import load_text
 from hf_asymkv.evals.needle import make_task
 from hf_asymkv.evals.ppl import text_windows
-from hf_asymkv.evals.stress import stress_description, stress_model
+from hf_asymkv.evals.stress import forward_with_hooks, stress_description, stress_model
 from hf_asymkv.models import load_model
 
 # (channels at the high width, high width, low width)
@@ -54,12 +54,7 @@ def capture_qk(model, ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.
         found[attn.layer_idx] = (q[0], k[0])
 
     handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_hooks(model, ids, handles)
     return found
 
 
@@ -105,6 +100,18 @@ def kl(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return float((torch.xlogy(p, p) - torch.xlogy(p, r.clamp_min(1e-300))).sum(-1).clamp_min(0).mean())
 
 
+def study_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add ``--threads`` and ``--out`` to a study's own options and parse: ``--out`` is checked before minutes of
+    work, and torch gets ``--threads`` threads."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if problem := output_problem(args.out, "file"):
+        ap.error(f"--out: {problem}")
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stress", default="qwen", help="--stress-outliers spec, or 'none' for the model as it is")
@@ -112,12 +119,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--queries", type=int, default=32)
     ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    if problem := output_problem(args.out, "file"):  # before minutes of work, not after
-        ap.error(f"--out: {problem}")
-    torch.set_num_threads(args.threads)
+    args = study_args(ap)
     model, tok = load_model()
     if args.stress != "none":
         stress_model(model, tok, args.stress)

@@ -30,7 +30,7 @@ from hf_asymkv import PRESETS, AsymKVCache
 from hf_asymkv.bench import schemes
 from hf_asymkv.core import store
 from hf_asymkv.core.cache import AsymKVCache as _Cache
-from hf_asymkv.core.fileio import atomic_write_text, output_problem
+from hf_asymkv.core.fileio import atomic_write_text
 from hf_asymkv.evals.attention import run_attention
 from hf_asymkv.evals.haystack import load_text
 from hf_asymkv.evals.ppl import text_windows
@@ -38,7 +38,7 @@ from hf_asymkv.evals.stress import stress_description, stress_model
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import capture_qk, channel_weights, mixed_keys, round_keys  # noqa: E402
+from key_channel_bits import capture_qk, channel_weights, mixed_keys, round_keys, study_args  # noqa: E402
 
 BLOCK = 64
 TOKENS = 4096
@@ -112,12 +112,7 @@ def main() -> None:
     ap.add_argument("--stress", default="qwen")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    if problem := output_problem(args.out, "file"):
-        ap.error(f"--out: {problem}")
-    torch.set_num_threads(args.threads)
+    args = study_args(ap)
     model, tok = load_model()
     stress_model(model, tok, args.stress)
     calibration = capture_qk(model, text_windows(tok, load_text(None)[0], args.length, 1)[0])

@@ -13,6 +13,7 @@ between runs. One layer: 3 KV heads x 64 (SmolLM2's attention), ``update`` of on
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,9 +25,12 @@ from transformers.cache_utils import DynamicLayer
 from hf_asymkv import AsymKVCache
 from hf_asymkv.core import kv_view
 from hf_asymkv.core.compat import cache_kwargs
-from hf_asymkv.core.fileio import atomic_write_text, output_problem
+from hf_asymkv.core.fileio import atomic_write_text
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.models import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from key_channel_bits import study_args  # noqa: E402
 
 SPENT: dict[str, float] = defaultdict(float)
 
@@ -86,12 +90,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--short", default="128,1024", help="contexts of the one-layer measure")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    if problem := output_problem(args.out, "file"):
-        ap.error(f"--out: {problem}")
-    torch.set_num_threads(args.threads)
+    args = study_args(ap)
     names = ["dynamic", *args.presets.split(",")]
     timed(DynamicLayer, "update", "update")
     timed(AsymKVLayer, "update", "update")
