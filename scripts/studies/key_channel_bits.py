@@ -29,6 +29,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_asymkv.core.fileio import atomic_write_text, output_problem
+from hf_asymkv.evals.attention import attention_stats
 from hf_asymkv.evals.evaluate import encode_prompt
 from hf_asymkv.evals.haystack import load_text
 from hf_asymkv.evals.needle import make_task
@@ -96,8 +97,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, queries: int) -> torch.Tensor:
 
 
 def kl(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    p, r = ref.double(), approx.double()
-    return float((torch.xlogy(p, p) - torch.xlogy(p, r.clamp_min(1e-300))).sum(-1).clamp_min(0).mean())
+    """Mean KL(ref || approx) of ``[heads, q, keys]`` probabilities, as ``hf-asymkv eval attention`` computes it."""
+    return attention_stats(ref, approx, ks=())["kl"]
 
 
 def study_args(ap: argparse.ArgumentParser) -> argparse.Namespace:

@@ -58,22 +58,33 @@ PER_BLOCK = "chosen per block"
 _state = {"layer": None, "kind": None, "rule": None}
 
 
-def bytes_ratio(preset: str, key_bits: float, config) -> float:
-    """x smaller than a bf16 DynamicCache at ``TOKENS`` tokens for ``preset``'s settings with ``key_bits`` per key
-    code: the preset's own cache measured (``memory_footprint()``, random K/V) and its key codes re-counted at
-    ``key_bits``."""
+_MEASURED: dict[str, tuple[int, int]] = {}
+
+
+def _measured(preset: str, config) -> tuple[int, int]:
+    """``(bytes, quantized key elements)`` of ``preset``'s cache holding ``TOKENS`` random bf16 tokens per layer
+    (measured once per preset: the script runs one model)."""
+    if preset in _MEASURED:
+        return _MEASURED[preset]
     cache = AsymKVCache.from_preset(preset, config)
     heads, dim = config.num_key_value_heads, config.head_dim
     gen = torch.Generator().manual_seed(0)
-    quantized = 0
     for layer in range(config.num_hidden_layers):
         kv = torch.randn(2, 1, heads, TOKENS, dim, generator=gen, dtype=torch.bfloat16)
         cache.update(kv[0], kv[1], layer)
     cache.settle()
-    for layer in cache.layers:
-        quantized += layer.key_store.blocks.length * heads * dim
-    own_bits = {"int4": 4, "int3": 3, "int2": 2}[PRESETS[preset].key_format]
-    stored = cache.memory_footprint()["total"] + quantized * (key_bits - own_bits) / 8
+    quantized = sum(layer.key_store.blocks.length for layer in cache.layers) * heads * dim
+    _MEASURED[preset] = cache.memory_footprint()["total"], quantized
+    return _MEASURED[preset]
+
+
+def bytes_ratio(preset: str, key_bits: float, config) -> float:
+    """x smaller than a bf16 DynamicCache at ``TOKENS`` tokens for ``preset``'s settings with ``key_bits`` per key
+    code: the preset's own cache measured (``memory_footprint()``, random K/V, once per preset) and its key codes
+    re-counted at ``key_bits``."""
+    total, quantized = _measured(preset, config)
+    stored = total + quantized * (key_bits - PRESETS[preset].key_spec().bits) / 8
+    heads, dim = config.num_key_value_heads, config.head_dim
     return 2 * config.num_hidden_layers * heads * TOKENS * dim * 2 / stored
 
 
@@ -158,7 +169,7 @@ def main() -> None:
             bits = (n_hi * hi + (64 - n_hi) * lo) / 64
         else:
             preset = name.removeprefix("asymkv-")
-            bits = {"int4": 4, "int3": 3, "int2": 2}[PRESETS[preset].key_format]
+            bits = PRESETS[preset].key_spec().bits
         lines.append(f"| {name} | {bits:.3g} | {bytes_ratio(preset, bits, model.config):.2f} | {rows[name]:.3g} |")
     atomic_write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -20,15 +20,11 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
-from hf_asymkv import AsymKVCache
 from hf_asymkv.core import kv_view
-from hf_asymkv.core.compat import cache_kwargs
 from hf_asymkv.core.fileio import atomic_write_text
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.packing import PackedCodes
@@ -38,6 +34,7 @@ from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from key_channel_bits import study_args  # noqa: E402
+from update_cost import make, step_times, warmed_up  # noqa: E402
 
 EAGER_DENSE = kv_view.QuantizedKV.dense
 EAGER_UPDATE = AsymKVLayer.update
@@ -99,20 +96,11 @@ def use(variant: str) -> None:
     AsymKVLayer.update = one_thread_update if variant == "one-thread" else EAGER_UPDATE
 
 
-@torch.no_grad()
 def step_ms(model, ids: torch.Tensor, preset: str | None, variant: str, steps: int) -> float:
     use(variant)
     try:
-        cache = DynamicCache(config=model.config) if preset is None else AsymKVCache.from_preset(preset, model.config)
-        out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
-            times.append(time.perf_counter() - start)
+        cache = make("dynamic" if preset is None else preset, model.config)
+        times = step_times(model, warmed_up(model, ids, cache), cache, steps)
     finally:
         use("eager")
     return sorted(times)[steps // 2] * 1e3

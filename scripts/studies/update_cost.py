@@ -19,10 +19,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
-from hf_asymkv import AsymKVCache
+from hf_asymkv.bench.schemes import make_cache
 from hf_asymkv.core import kv_view
 from hf_asymkv.core.compat import cache_kwargs
 from hf_asymkv.core.fileio import atomic_write_text
@@ -50,21 +50,36 @@ def timed(owner, name: str, label: str) -> None:
 
 
 def make(name: str, config):
-    return DynamicCache(config=config) if name == "dynamic" else AsymKVCache.from_preset(name, config)
+    """``"dynamic"`` or a preset name -> the bench's cache of that name."""
+    return make_cache("dynamic" if name == "dynamic" else f"asymkv-{name}", config)
 
 
 @torch.no_grad()
+def warmed_up(model, ids: torch.Tensor, cache, steps: int = 3) -> torch.Tensor:
+    """Prefill ``ids`` into ``cache`` and decode ``steps`` untimed tokens; the next input token ``[1, 1]``."""
+    token = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    for _ in range(steps):
+        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
+    return token
+
+
+@torch.no_grad()
+def step_times(model, token: torch.Tensor, cache, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` greedy decode steps from ``token``."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def whole_model(model, ids: torch.Tensor, name: str, steps: int) -> dict[str, float]:
     """ms per step: the step, the layers' updates, the read-outs and SDPA."""
     cache = make(name, model.config)
-    token = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-    for _ in range(3):
-        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
+    token = warmed_up(model, ids, cache)
     SPENT.clear()
-    start = time.perf_counter()
-    for _ in range(steps):
-        token = model(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
-    step = (time.perf_counter() - start) / steps
+    step = sum(step_times(model, token, cache, steps)) / steps
     return {"step": step * 1e3, **{k: v / steps * 1e3 for k, v in SPENT.items()}}
 
 
