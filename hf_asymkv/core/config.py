@@ -33,12 +33,12 @@ from .registry import KEY_FORMATS, LAYER_SETTINGS, OVERFLOW_POLICIES, VALUE_BITS
 __all__ = ["AsymKVConfig", "CONFIG_VERSION", "Growth", "KEY_FORMATS", "LAYER_SETTINGS", "LEGACY_DEFAULTS", "LayerConfig",
            "OVERFLOW_POLICIES", "SUPPORTED_CONFIG_VERSIONS", "VALUE_BITS"]
 
-CONFIG_VERSION = 4
+CONFIG_VERSION = 5
 """Version of the dict form written by :meth:`AsymKVConfig.to_dict`: 2 added ``key_symmetric``, ``key_rotation``
 and ``value_rotation``; 3 changed the defaults to the ``balanced`` preset (4 sinks, window 64, rotated V); 4 added
-``layer_overrides`` (absent before: no overrides). A field missing from an older dict takes the default of that
+``layer_overrides`` (absent before: no overrides); 5 added ``key_wide_fraction`` (absent before: 0, none). A field missing from an older dict takes the default of that
 dict's version (:data:`LEGACY_DEFAULTS`), so a stored config keeps its meaning."""
-SUPPORTED_CONFIG_VERSIONS = (1, 2, 3, 4)
+SUPPORTED_CONFIG_VERSIONS = (1, 2, 3, 4, 5)
 """``config_version`` values :meth:`AsymKVConfig.from_dict` reads."""
 LEGACY_DEFAULTS = {"residual_length": 128, "sink_tokens": 0, "value_rotation": False}
 """Defaults of config versions 1 and 2 that version 3 changed (key_symmetric/key_rotation kept theirs)."""
@@ -138,6 +138,9 @@ class AsymKVConfig:
             only its output). Exact sinks and window stay unrotated.
         key_rotation: the same for K (an ablation: it spreads the per-channel outliers that the per-channel
             scales exist for; not used by any preset, and refused with calibrated key ranges).
+        key_wide_fraction: the share of each block's key channels (per KV head) whose codes get one more bit,
+            chosen by the block's own ranges when it is quantized (:mod:`~hf_asymkv.core.wide`; ``compact`` uses 0.25:
+            16 of 64 channels). 0 (default) for none; else in (0, 1), for int2/int3/int4 keys per channel, unrotated.
         overflow_policy: one of :data:`OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
@@ -164,6 +167,7 @@ class AsymKVConfig:
     key_symmetric: bool = True
     value_rotation: bool = True
     key_rotation: bool = False
+    key_wide_fraction: float = 0.0
     overflow_policy: str = "widen"
     growth_factor: float = 1.25
     max_growth_tokens: int = 256
@@ -181,6 +185,14 @@ class AsymKVConfig:
         if not self.key_symmetric and self.key_format.startswith("fp8"):
             raise ValueError(f"key_symmetric=False needs an integer key_format, got {self.key_format!r} (float "
                              "formats are symmetric).")
+        wide = self.key_wide_fraction
+        if isinstance(wide, bool) or not isinstance(wide, (int, float)) or not 0 <= wide < 1:
+            raise ValueError(f"key_wide_fraction must be a number in [0, 1), got {wide!r}.")
+        if wide and (self.key_format not in ("int4", "int3", "int2") or self.key_granularity != "channel"
+                     or self.key_rotation):
+            raise ValueError(f"key_wide_fraction={wide} needs int4, int3 or int2 keys per 'channel', unrotated; got "
+                             f"key_format={self.key_format!r}, key_granularity={self.key_granularity!r}, "
+                             f"key_rotation={self.key_rotation}.")
         _check_int("key_block_size", self.key_block_size, 1)
         _check_int("residual_length", self.residual_length, 0)
         _check_int("sink_tokens", self.sink_tokens, 0)
@@ -288,7 +300,8 @@ class AsymKVConfig:
     def key_spec(self) -> QuantSpec:
         """Keys: symmetric unless ``key_symmetric=False``, bf16 scales (a resolved config: group sizes set)."""
         return QuantSpec(self.key_format, self.key_granularity, self.key_group_size, self.key_symmetric,
-                         torch.bfloat16, rotated=self.key_rotation, block_size=self.key_block_size)
+                         torch.bfloat16, rotated=self.key_rotation, block_size=self.key_block_size,
+                         wide_fraction=self.key_wide_fraction)
 
     def value_spec(self) -> QuantSpec:
         """Values: asymmetric (unless ``value_symmetric``), fp16 scale and zero, in the keys' blocks."""
@@ -338,6 +351,7 @@ class AsymKVConfig:
     def describe(self) -> str:
         """One line for ``repr`` and logs."""
         key = f"K={self.key_format}{'' if self.key_symmetric else '-asym'}/{self.key_granularity}"
+        key += f"+{self.key_wide_fraction:g} wide" if self.key_wide_fraction else ""
         value = f"V=int{self.value_bits}/{self.value_granularity}(g={self.value_group_size})"
         rotated = [kind for kind, on in (("K", self.key_rotation), ("V", self.value_rotation)) if on]
         overridden = [index for index, _ in self.layer_overrides]

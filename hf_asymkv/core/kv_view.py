@@ -17,6 +17,7 @@ import torch
 from .packing import PackedCodes
 from .quant import QuantSpec, dequantize
 from .rotation import dequantize_rotated
+from .wide import WideBits
 
 __all__ = ["HEADWISE_MASKING_REFUSED", "QuantizedKV", "SinkOverlayView", "mask_bias", "write_rows"]
 
@@ -106,6 +107,7 @@ class QuantizedKV:
             block).
         tail: ``[B, H, m, D]`` exact recent tokens (those quantized in this very call included).
         overlay: exact tokens of left-padded rows' sinks that replace positions of the quantized region, or None.
+        wide: the high code bits of each block's wide channels (a spec with ``wide_fraction``), else None.
     """
 
     prefix: torch.Tensor | None
@@ -115,6 +117,7 @@ class QuantizedKV:
     spec: QuantSpec
     tail: torch.Tensor
     overlay: SinkOverlayView | None = None
+    wide: WideBits | None = None
 
     @property
     def n_prefix(self) -> int:
@@ -153,7 +156,8 @@ class QuantizedKV:
 
         return replace(self, prefix=move(self.prefix), codes=self.codes.with_data(self.codes.data.to(device)),
                        scale=move(self.scale), zero=move(self.zero), tail=move(self.tail),
-                       overlay=None if self.overlay is None else self.overlay.to(device))
+                       overlay=None if self.overlay is None else self.overlay.to(device),
+                       wide=None if self.wide is None else self.wide.to(device))
 
     def dense(self) -> torch.Tensor:
         """``[B, H, seq, D]`` in the tail's dtype: the reference read-out (one vectorized decode)."""
@@ -163,9 +167,11 @@ class QuantizedKV:
         out = self.tail.new_empty(self.shape)
         if ns:
             out[:, :, :ns] = self.prefix
-        if n:
-            read = dequantize_rotated if self.spec.rotated else dequantize
-            read(self.codes, self.scale, self.zero, self.spec, dtype=out.dtype, out=out[:, :, ns : ns + n])
+        if n and self.spec.rotated:  # (a rotated spec has no wide channels)
+            dequantize_rotated(self.codes, self.scale, self.zero, self.spec, dtype=out.dtype, out=out[:, :, ns : ns + n])
+        elif n:
+            dequantize(self.codes, self.scale, self.zero, self.spec, dtype=out.dtype, out=out[:, :, ns : ns + n],
+                       wide=self.wide)
         out[:, :, ns + n :] = self.tail
         if self.overlay is not None:
             write_rows(out, 2, self.overlay.positions, self.overlay.valid, self.overlay.tokens)

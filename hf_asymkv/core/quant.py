@@ -29,6 +29,7 @@ import torch
 
 from .packing import PackedCodes, pack_codes, packs_tokens, plane_widths, unpack_codes
 from .rounding import round_down, round_up
+from .wide import WideBits, add_wide_bits
 
 __all__ = [
     "FORMATS",
@@ -39,8 +40,10 @@ __all__ = [
     "compute_scale_zero",
     "quantize",
     "dequantize",
+    "code_levels",
     "decode_codes",
     "integer_codes",
+    "storage_offset",
     "needs_wider_metadata",
     "sqnr_db",
 ]
@@ -82,6 +85,9 @@ class QuantSpec:
             functions of this module quantize whatever they are given and ignore it.
         block_size: tokens quantized as one unit: the tokens sharing a scale for ``"channel"`` and ``"tensor"``
             granularity, and the unit of token packing of sub-byte codes (see :mod:`hf_asymkv.core.packing`).
+        wide_fraction: the share of each block's channels (per head) whose codes get one more bit, chosen by the
+            block's own ranges (:mod:`hf_asymkv.core.wide`; :meth:`wide_count` channels); 0 for none. Needs
+            int2/int3/int4 codes per channel, unrotated.
     """
 
     fmt: str
@@ -91,6 +97,7 @@ class QuantSpec:
     scale_dtype: torch.dtype = torch.float16
     rotated: bool = False
     block_size: int = 1
+    wide_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -103,6 +110,12 @@ class QuantSpec:
             raise ValueError(f"Float format {self.fmt!r} is symmetric only; got symmetric=False.")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}.")
+        wide = self.wide_fraction
+        if isinstance(wide, bool) or not isinstance(wide, (int, float)) or not 0 <= wide < 1:
+            raise ValueError(f"wide_fraction must be a number in [0, 1), got {wide!r}.")
+        if wide and (self.is_float or self.bits > 4 or self.granularity != "channel" or self.rotated):
+            raise ValueError(f"wide_fraction={wide} needs int2, int3 or int4 codes per 'channel', unrotated; got "
+                             f"{self.fmt} per {self.granularity!r}" + (", rotated" if self.rotated else "") + ".")
 
     @property
     def bits(self) -> int:
@@ -146,8 +159,14 @@ class QuantSpec:
             raise ValueError(f"group_size={self.group_size} does not divide head_dim={head_dim}.")
         return 1, self.group_size
 
+    def wide_count(self, head_dim: int) -> int:
+        """Wide channels per block and head: ``wide_fraction`` of ``head_dim``, rounded, at least 1 (0 without)."""
+        return max(1, int(head_dim * self.wide_fraction + 0.5)) if self.wide_fraction else 0
+
     def packed_dim(self, head_dim: int) -> int:
         """Size of the last axis of the stored codes (sub-byte codes are packed along ``head_dim``)."""
+        if self.wide_fraction and head_dim > 256:
+            raise ValueError(f"wide channels are indexed in bytes: head_dim={head_dim} is above 256.")
         if self.is_float or self.bits == 8:
             return head_dim
         multiple = 8 // min(plane_widths(self.bits))
@@ -227,6 +246,16 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sp
         :class:`~hf_asymkv.core.packing.PackedCodes`, data ``[B, H, T, spec.packed_dim(D)]`` of ``spec.code_dtype``:
         whole blocks in ``spec.layout``, other token counts along ``head_dim``.
     """
+    y = code_levels(x, scale, zero, spec)
+    if spec.is_float or spec.bits == 8:
+        return pack_codes(y.to(spec.code_dtype), spec.bits, spec.block_size)
+    return pack_codes(y.add_(storage_offset(spec)).to(torch.uint8), spec.bits, spec.block_size)
+
+
+def code_levels(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """What :func:`quantize` stores, before the storage offset and packing: float32 ``[B, H, T, D]`` holding the
+    integer codes (``[-qmax, qmax]`` symmetric, ``[0, qmax]`` asymmetric) or, for float formats, the scaled values
+    clamped to ``+-qmax``. NaN and inf as :func:`quantize` documents."""
     tg, cg = spec.groups(x.shape[-1])
     xf = x.float()
     xf = torch.where(torch.isnan(xf), 0.0, xf)  # NaN -> the value 0 (before the zero shift: asymmetric too)
@@ -236,14 +265,14 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sp
     y = (g / _bcast(scale).float()).reshape(x.shape)
     y = torch.nan_to_num(y, nan=0.0)
     if spec.is_float:
-        return pack_codes(y.clamp(-spec.qmax, spec.qmax).to(spec.code_dtype), spec.bits, spec.block_size)
+        return y.clamp(-spec.qmax, spec.qmax)
     lo = -spec.qmax if spec.symmetric else 0.0
-    codes = y.round_().clamp_(lo, spec.qmax)
-    if spec.bits == 8:
-        return pack_codes(codes.to(spec.code_dtype), spec.bits, spec.block_size)
-    if spec.symmetric:  # store the signed code with an offset so that it packs as an unsigned nibble
-        codes += 2 ** (spec.bits - 1)
-    return pack_codes(codes.to(torch.uint8), spec.bits, spec.block_size)
+    return y.round_().clamp_(lo, spec.qmax)
+
+
+def storage_offset(spec: QuantSpec) -> int:
+    """What is added to a symmetric sub-byte code so that it packs unsigned (``2**(bits-1)``); 0 otherwise."""
+    return 2 ** (spec.bits - 1) if spec.symmetric and not spec.is_float and spec.bits < 8 else 0
 
 
 def dequantize(
@@ -254,6 +283,7 @@ def dequantize(
     *,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    wide: WideBits | None = None,
 ) -> torch.Tensor:
     """Decode codes back to ``dtype``: codes are converted straight into the output, then scaled in place.
 
@@ -262,6 +292,7 @@ def dequantize(
         scale, zero: ``[B, H, T // tg, D // cg]``.
         dtype: output dtype (the model's); arithmetic runs in it.
         out: optional ``[B, H, T, D]`` destination (e.g. a slice of the dense K/V handed to attention).
+        wide: the high code bits of the blocks' wide channels (a spec with ``wide_fraction``), added after scaling.
 
     Returns:
         ``[B, H, T, D]`` tensor (``out`` when given).
@@ -282,6 +313,8 @@ def dequantize(
         torch.addcmul(_bcast(_factor(zero, dtype)), dest, factor, out=dest)  # mul + add for row-broadcast scales)
     else:
         dest.mul_(factor).add_(_bcast(_factor(zero, dtype)))
+    if wide is not None:
+        add_wide_bits(out, _factor(scale, dtype), wide, spec)
     return out
 
 

@@ -30,6 +30,7 @@ import torch
 from .kv_view import HEADWISE_MASKING_REFUSED, mask_bias
 from .packing import PackedCodes, plane_widths, unpack_codes
 from .quant import integer_codes
+from .wide import WideBits, wide_key_scores
 
 __all__ = ["StaticQuantizedKV", "static_fused_attention"]
 
@@ -154,6 +155,9 @@ def _slot_scores(q: torch.Tensor, store) -> torch.Tensor:
         per_block = qs.transpose(2, 3)  # [B, H, NB, R, D]
         scores = sum(factor * (per_block @ part.reshape(b, h, nb, -1, d).transpose(-1, -2)).transpose(2, 3)
                      for factor, part in _code_parts(store, q.dtype))
+    if store.wide_bits is not None:  # the wide channels' high bits: [B, H, NB, R, bs] -> [B, H, R, NB, bs]
+        wide = WideBits(store.wide_bits, store.wide_channels)
+        scores = scores + wide_key_scores(q, store.scales.to(q.dtype), wide, spec).transpose(2, 3)
     per_block = None
     if store.zeros is not None:
         per_block = (q[:, :, :, None, :] * _expand_channels(store.zeros.to(q.dtype), d)[:, :, None]).sum(-1)

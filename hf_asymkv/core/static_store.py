@@ -19,6 +19,7 @@ from .quant import QuantSpec, dequantize
 from .rotation import dequantize_rotated, hadamard
 from .sinks import SinkOverlay
 from .store import encode_blocks, stored_form
+from .wide import WideBits
 
 __all__ = ["StaticTensorStore"]
 
@@ -29,7 +30,9 @@ class StaticTensorStore:
     Shapes, once allocated (``S`` sink slots, ``NB`` block slots of ``bs = spec.block_size`` tokens, ``W`` window
     slots): sinks ``[B, H, S, D]``, codes ``[B, H, NB * bs, spec.packed_dim(D)]`` (the dynamic store's layout),
     scales and zeros ``[B, H, NB * bs // tg, D // cg]`` with ``(tg, cg) = spec.groups(D)`` (no zeros for symmetric
-    specs), window ``[B, H, W, D]`` (window slot ``i`` holds the token at the layer's boundary + ``i``).
+    specs), window ``[B, H, W, D]`` (window slot ``i`` holds the token at the layer's boundary + ``i``); with
+    ``R = spec.wide_count(D)`` the wide channels' high bits ``[B, H, NB * bs, ceil(R / 8)]`` and indices ``[B, H, NB, R]``
+    (:class:`~hf_asymkv.core.wide.WideBits`).
 
     Args:
         kind: names the parts in :meth:`memory_footprint`.
@@ -41,6 +44,7 @@ class StaticTensorStore:
         self.kind, self.spec, self.sink_count = kind, spec, sink_count
         self.overlay = SinkOverlay(sink_count)
         self.sinks = self.codes = self.scales = self.zeros = self.window = self.rotation = None
+        self.wide_bits = self.wide_channels = None
         self.heads = self.head_dim = 0
 
     def allocate(self, like: torch.Tensor, n_blocks: int, window_tokens: int) -> None:
@@ -61,6 +65,10 @@ class StaticTensorStore:
         self.scales = torch.zeros(b, h, slots // tg, d // cg, **meta)
         self.zeros = None if self.spec.symmetric else torch.zeros(b, h, slots // tg, d // cg, **meta)
         self.window = like.new_zeros(b, h, window_tokens, d)
+        if self.spec.wide_fraction:
+            r = self.spec.wide_count(d)
+            self.wide_bits = torch.zeros(b, h, slots, -(-r // 8), dtype=torch.uint8, device=like.device)
+            self.wide_channels = torch.zeros(b, h, n_blocks, r, dtype=torch.uint8, device=like.device)
         # the rotation as a tensor of the store: a graph reads it instead of calling the cached constructor
         self.rotation = hadamard(d, torch.float32, like.device) if self.spec.rotated else None
         if self.sink_count:
@@ -72,7 +80,8 @@ class StaticTensorStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer (all of them have the batch axis first)."""
-        parts = [self.sinks, self.codes, self.scales, self.zeros, self.window, self.overlay.anchors, self.overlay.tokens]
+        parts = [self.sinks, self.codes, self.scales, self.zeros, self.window, self.overlay.anchors, self.overlay.tokens,
+                 self.wide_bits, self.wide_channels]
         return [t for t in parts if t is not None]
 
     # ------------------------------------------------------------------ one update
@@ -109,12 +118,15 @@ class StaticTensorStore:
         """
         bs = self.spec.block_size
         x = tokens[:, :, : candidates * bs]
-        codes, scale, zero = encode_blocks(stored_form(x, self.spec, True, self.rotation), self.spec, scale)
+        codes, scale, zero, wide = encode_blocks(stored_form(x, self.spec, True, self.rotation), self.spec, scale)
         self.overlay.capture(x, boundary, flushed_tokens)
         rows = bs // self.spec.token_group
-        for buf, new in ((self.codes, codes.data), (self.scales, scale), (self.zeros, zero)):
+        parts = [(self.codes, codes.data, bs), (self.scales, scale, rows), (self.zeros, zero, rows)]
+        if wide is not None:
+            parts += [(self.wide_bits, wide.bits, bs), (self.wide_channels, wide.channels, 1)]
+        for buf, new, per_slot in parts:
             if buf is not None:
-                _write_slots(buf, new, targets, valid, bs if buf is self.codes else rows)
+                _write_slots(buf, new, targets, valid, per_slot)
         b, h = x.shape[:2]
         nonfinite = (~torch.isfinite(x)).view(b, h, candidates, -1).sum(dim=(0, 1, 3))
         return (nonfinite * valid).sum()
@@ -168,9 +180,11 @@ class StaticTensorStore:
 
     def _decode(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every block slot decoded: ``[B, H, NB * bs, D]`` in ``dtype`` (into ``out`` when given)."""
-        read = dequantize_rotated if self.spec.rotated else dequantize
         codes = PackedCodes(self.codes, self.spec.bits, self.spec.layout, self.spec.block_size)
-        return read(codes, self.scales, self.zeros, self.spec, dtype=dtype, out=out)
+        if self.spec.rotated:  # (a rotated spec has no wide channels)
+            return dequantize_rotated(codes, self.scales, self.zeros, self.spec, dtype=dtype, out=out)
+        wide = None if self.wide_bits is None else WideBits(self.wide_bits, self.wide_channels)
+        return dequantize(codes, self.scales, self.zeros, self.spec, dtype=dtype, out=out, wide=wide)
 
     def keep_window(self, tokens: torch.Tensor, shift: torch.Tensor) -> None:
         """The window after this update: ``tokens`` (:meth:`joined`) from slot ``shift`` (the tokens just quantized
@@ -190,6 +204,9 @@ class StaticTensorStore:
                  f"{self.kind}_scales": (self.scales, quantized, self.codes.shape[2]),
                  f"{self.kind}_zeros": (self.zeros, quantized, self.codes.shape[2]),
                  f"window_{self.kind}s": (self.window, window, self.window.shape[2])}
+        if self.wide_bits is not None:
+            parts[f"{self.kind}_wide_bits"] = (self.wide_bits, quantized, self.codes.shape[2])
+            parts[f"{self.kind}_wide_channels"] = (self.wide_channels, quantized, self.codes.shape[2])
         out: Counter = Counter()
         for name, (buf, live, capacity) in parts.items():
             nbytes = 0 if buf is None else buf.numel() * buf.element_size()

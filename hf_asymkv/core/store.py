@@ -22,10 +22,12 @@ import torch
 
 from .config import Growth
 from .kv_view import QuantizedKV, write_rows
-from .packing import PackedCodes
-from .quant import QuantSpec, compute_scale_zero, dequantize, needs_wider_metadata, quantize
+from .packing import PackedCodes, pack_codes
+from .quant import (QuantSpec, code_levels, compute_scale_zero, dequantize, needs_wider_metadata, quantize,
+                    scale_from_absmax, storage_offset)
 from .rotation import dequantize_rotated, rotate
 from .sinks import SinkOverlay
+from .wide import WideBits, choose_channels, split_wide
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore", "encode_blocks", "stored_form"]
 
@@ -42,13 +44,40 @@ def stored_form(x: torch.Tensor, spec: QuantSpec, clean: bool, rotation: torch.T
 
 
 def encode_blocks(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor | None = None
-                  ) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None]:
-    """Quantize whole blocks ``[B, H, m, D]`` (in their :func:`stored_form`): ``(codes, scale, zero)``, the scale (and
-    zero) measured from ``x`` unless a calibrated symmetric ``scale`` ``[B, H, m // tg, D // cg]`` is given."""
+                  ) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None, WideBits | None]:
+    """Quantize whole blocks ``[B, H, m, D]`` (in their :func:`stored_form`): ``(codes, scale, zero, wide)``, the
+    scale (and zero) measured from ``x`` unless a calibrated symmetric ``scale`` ``[B, H, m // tg, D // cg]`` is
+    given; ``wide`` the high bits of the blocks' wide channels (:mod:`~hf_asymkv.core.wide`), None without them."""
+    if spec.wide_fraction:
+        return _encode_wide(x, spec, scale)
     zero = None
     if scale is None:
         scale, zero = compute_scale_zero(x, spec)
-    return quantize(x, scale, zero, spec), scale, zero
+    return quantize(x, scale, zero, spec), scale, zero, None
+
+
+def _encode_wide(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor | None
+                 ) -> tuple[PackedCodes, torch.Tensor, torch.Tensor, WideBits]:
+    """:func:`encode_blocks` for a spec with ``wide_fraction``: each block's widest channels (largest scale) take
+    the scale (and zero) of a code one bit wider, their codes split into the ordinary planes and the high bits."""
+    wider = dataclasses.replace(spec, fmt=f"int{spec.bits + 1}", wide_fraction=0.0)
+    if scale is None:
+        scale, zero = compute_scale_zero(x, spec)
+        wide_scale, wide_zero = compute_scale_zero(x, wider)
+    else:  # a calibrated range: the same range, the wider code's step
+        zero = wide_zero = None
+        wide_scale = scale_from_absmax(scale.float() * spec.qmax, wider)
+    channels = choose_channels(scale, spec.wide_count(x.shape[-1]))  # [B, H, N, R]
+    chosen = torch.zeros(scale.shape, dtype=torch.bool, device=scale.device).scatter_(-1, channels, True)
+    scale = torch.where(chosen, wide_scale, scale)
+    zero = None if zero is None else torch.where(chosen, wide_zero, zero)
+    levels = code_levels(x, scale, zero, wider)  # the wider code's range; the other channels are clamped below
+    per_token = chosen.repeat_interleave(spec.block_size, dim=2)  # [B, H, m, D]
+    lo = -spec.qmax if spec.symmetric else 0.0
+    stored = torch.where(per_token, levels + storage_offset(wider),
+                         levels.clamp(lo, spec.qmax) + storage_offset(spec))
+    low, wide = split_wide(stored, channels, spec.bits, spec.block_size)
+    return pack_codes(low, spec.bits, spec.block_size), scale, zero, wide
 
 
 class GrowableBuffer:
@@ -112,13 +141,16 @@ class QuantizedBlocks:
 
     Shapes: codes ``[B, H, N, spec.packed_dim(D)]`` in ``spec.layout`` (token-packed sub-byte codes of whole
     blocks, see :mod:`~hf_asymkv.core.packing`); scales and zeros ``[B, H, N // tg, D // cg]`` with
-    ``(tg, cg) = spec.groups(D)`` (zeros stay empty for symmetric specs). ``N`` is a multiple of
+    ``(tg, cg) = spec.groups(D)`` (zeros stay empty for symmetric specs); with ``R = spec.wide_count(D)``, the
+    wide channels' high bits ``[B, H, N, ceil(R / 8)]`` and indices ``[B, H, N // bs, R]``
+    (:class:`~hf_asymkv.core.wide.WideBits`). ``N`` is a multiple of
     ``spec.block_size``: blocks are quantized once, whole, and never re-quantized.
     """
 
     def __init__(self, spec: QuantSpec, growth: Growth):
         self.spec, self.growth = spec, growth
         self.codes, self.scales, self.zeros = GrowableBuffer(), GrowableBuffer(), GrowableBuffer()
+        self.wide_bits, self.wide_channels = GrowableBuffer(), GrowableBuffer()
 
     @property
     def block_size(self) -> int:
@@ -164,25 +196,34 @@ class QuantizedBlocks:
         x = stored_form(x, self.spec, clean=bool(nonfinite))
         self.fit(x)
         m = x.shape[2]
-        codes, scale, zero = encode_blocks(x, self.spec, scale)
+        codes, scale, zero, wide = encode_blocks(x, self.spec, scale)
         self.codes.append(codes.data, self.growth, self.block_size, self.max_step)
-        for buf, meta in ((self.scales, scale), (self.zeros, zero)):
-            if meta is not None:  # metadata rows per token: 1 / token_group
+        if wide is not None:
+            self.wide_bits.append(wide.bits, self.growth, self.block_size, self.max_step)
+        rows = (self.scales, scale), (self.zeros, zero), (self.wide_channels, None if wide is None else wide.channels)
+        for buf, meta in rows:
+            if meta is not None:  # metadata rows per token: 1 / token_group (1 / block_size for wide channels)
                 buf.append(meta, self.growth, 1, max(1, self.max_step * meta.shape[2] // m))
         return nonfinite
 
-    def parts(self, start: int, stop: int) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None]:
-        """``(codes, scales, zeros)`` of quantized tokens ``[start, stop)`` (block-aligned; views)."""
+    def parts(self, start: int, stop: int
+              ) -> tuple[PackedCodes, torch.Tensor, torch.Tensor | None, WideBits | None]:
+        """``(codes, scales, zeros, wide)`` of quantized tokens ``[start, stop)`` (block-aligned; views)."""
         tg = self.spec.token_group
         r0, r1 = start // tg, stop // tg
         codes = PackedCodes(self.codes.live, self.spec.bits, self.spec.layout, self.block_size)
         zeros = self.zeros.live[:, :, r0:r1] if self.zeros.length else None
-        return codes.token_slice(start, stop), self.scales.live[:, :, r0:r1], zeros
+        wide = None
+        if self.wide_channels.length:
+            wide = WideBits(self.wide_bits.live, self.wide_channels.live).token_slice(start, stop, self.block_size)
+        return codes.token_slice(start, stop), self.scales.live[:, :, r0:r1], zeros, wide
 
     def decode(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize tokens ``[start, stop)`` (block-aligned), rotated back: ``[B, H, stop - start, head_dim]``."""
-        read = dequantize_rotated if self.spec.rotated else dequantize
-        return read(*self.parts(start, stop), self.spec, dtype=dtype)
+        codes, scales, zeros, wide = self.parts(start, stop)
+        if self.spec.rotated:  # (a rotated spec has no wide channels)
+            return dequantize_rotated(codes, scales, zeros, self.spec, dtype=dtype)
+        return dequantize(codes, scales, zeros, self.spec, dtype=dtype, wide=wide)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` (block-aligned) tokens."""
@@ -190,9 +231,15 @@ class QuantizedBlocks:
         self.codes.truncate(n)
         self.scales.truncate(rows)
         self.zeros.truncate(rows if self.zeros.length else 0)
+        self.wide_bits.truncate(n if self.wide_bits.length else 0)
+        self.wide_channels.truncate(n // self.block_size if self.wide_channels.length else 0)
 
     def buffers(self) -> dict[str, GrowableBuffer]:
-        return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+        """The parts by footprint name (``wide_bits`` and ``wide_channels`` only for a spec with wide channels)."""
+        parts = {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
+        if self.spec.wide_fraction:
+            parts.update(wide_bits=self.wide_bits, wide_channels=self.wide_channels)
+        return parts
 
 
 class TensorStore:
@@ -300,11 +347,11 @@ class TensorStore:
             if self.sinks.length:
                 return torch.cat([self.sinks.live, tail], dim=2)
             return tail.clone() if tail._base is not None else tail
-        codes, scales, zeros = self.blocks.parts(0, n_old)
+        codes, scales, zeros, wide = self.blocks.parts(0, n_old)
         ns = self.sinks.length
         kv = QuantizedKV(self.sinks.live if ns else None, codes, scales, zeros, self.spec,
                          tail.clone() if as_views and tail._base is not None else tail,
-                         self.overlay.view(ns, ns + n_old))
+                         self.overlay.view(ns, ns + n_old), wide)
         return kv if as_views else kv.dense()
 
     def dense(self) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ import torch
 from conftest import llama_config
 
 from hf_asymkv import KEY_FORMATS, PRESETS, VALUE_BITS, AsymKVCache, AsymKVConfig
+from hf_asymkv.core.config import CONFIG_VERSION
 
 
 def test_defaults_are_the_documented_ones():
@@ -67,7 +68,7 @@ def test_replace_validates():
 def test_dict_round_trip_through_json():
     c = AsymKVConfig(key_format="fp8_e4m3", value_bits=2, sink_tokens=4, value_group_size=32)
     d = json.loads(json.dumps(c.to_dict()))
-    assert d["config_version"] == 4
+    assert d["config_version"] == CONFIG_VERSION == 5
     assert AsymKVConfig.from_dict(d) == c
 
 
@@ -105,7 +106,7 @@ def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
 
 @pytest.mark.parametrize("data, message", [
     ([1], "settings must be a JSON object, got list"),
-    ({"config_version": 5}, r"settings: config_version 5 is not supported \(supported: \[1, 2, 3, 4\]\); upgrade hf-asymkv"),
+    ({"config_version": 6}, r"settings: config_version 6 is not supported \(supported: \[1, 2, 3, 4, 5\]\); upgrade hf-asymkv"),
     ({"window": 8}, r"settings: unknown AsymKVCache settings \['window'\]"),
     ({"residual_length": [8]}, "settings: setting 'residual_length' must be a JSON scalar"),
     ({"value_bits": 7}, r"settings: value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
@@ -170,7 +171,7 @@ def test_layer_overrides_are_normalized_and_read_back():
 def test_layer_overrides_round_trip_through_json():
     c = AsymKVConfig(layer_overrides=PROTECT)
     d = json.loads(json.dumps(c.to_dict()))
-    assert d["config_version"] == 4 and d["layer_overrides"] == {"0": PROTECT[0], "-1": PROTECT[-1]}
+    assert d["config_version"] == CONFIG_VERSION and d["layer_overrides"] == {"0": PROTECT[0], "-1": PROTECT[-1]}
     assert AsymKVConfig.from_dict(d) == c
     assert AsymKVConfig().replace(layer_overrides=PROTECT) == c and c.replace(value_bits=2).overrides() == PROTECT
 
