@@ -20,8 +20,9 @@ def _stored(kv) -> StoredCodes:
     """The quantized part of a :class:`~hf_asymkv.core.kv_view.QuantizedKV` as the kernel reads it (the typed codes
     say how they were packed)."""
     codes = kv.codes
+    wide = kv.wide
     return StoredCodes(codes.data, kv.scale, kv.zero, codes.bits, kv.spec.symmetric, codes.layout, codes.block_size,
-                       kv.spec.rotated)
+                       kv.spec.rotated, None if wide is None else wide.bits, None if wide is None else wide.channels)
 
 
 def _call_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int,
@@ -79,8 +80,6 @@ def triton_fused_attention(query: torch.Tensor, key, value, attention_mask: torc
     Args:
         query: ``[B, Hq, q, D]``; key, value: a layer's :class:`~hf_asymkv.core.kv_view.QuantizedKV`.
         refused: a feature of the call that no fused path serves (``"attention with sliding_window"``, ...), or None.
-            Keys with wide channels (:mod:`~hf_asymkv.core.wide`) are refused here too: the kernel does not read
-            their high bits yet, so the torch implementation serves them.
 
     Raises:
         ImportError, ValueError: ``HF_ASYMKV_ATTENTION_BACKEND=triton`` and the kernel cannot serve the call
@@ -89,8 +88,6 @@ def triton_fused_attention(query: torch.Tensor, key, value, attention_mask: torc
     backend = requested_backend()
     if backend == "torch" or backend == "auto" and query.device.type != "cuda":  # the default CPU path stays as cheap
         return None
-    if refused is None and key.wide is not None:  # the kernel reads the ordinary code planes only
-        refused = f"keys with {key.wide.count} wide channels per block (key_wide_fraction)"
     region, segments = kernel_regions(key, value, attention_mask, query.shape[2])
     if choose_backend(query.device, refused or unsupported(query, region, segments)) != "triton":
         return None

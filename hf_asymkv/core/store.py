@@ -23,8 +23,16 @@ import torch
 from .config import Growth
 from .kv_view import QuantizedKV, write_rows
 from .packing import PackedCodes, pack_codes
-from .quant import (QuantSpec, code_levels, compute_scale_zero, dequantize, needs_wider_metadata, quantize,
-                    scale_from_absmax, storage_offset)
+from .quant import (
+    QuantSpec,
+    code_levels,
+    compute_scale_zero,
+    dequantize,
+    needs_wider_metadata,
+    quantize,
+    scale_from_absmax,
+    storage_offset,
+)
 from .rotation import dequantize_rotated, rotate
 from .sinks import SinkOverlay
 from .wide import WideBits, choose_channels, split_wide

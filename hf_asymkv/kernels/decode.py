@@ -200,8 +200,21 @@ def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: 
         fake = StoredCodes(dummy.new_zeros(1, 1, 1, 1, dtype=torch.int8), dummy.new_zeros(1, 1, 1, 1), None, 8, True)
         keys, key_constants = _code_args(fake, "K")
         values, value_constants = _code_args(fake, "V")
-        return [*keys, *values, dummy, 0, 0, 0, 0, 0, 0], {**key_constants, **value_constants, "Q_MASK": MASK_NONE}
+        wide, wide_constants = _wide_args(fake, dummy)
+        return ([*keys, *values, *wide, dummy, 0, 0, 0, 0, 0, 0],
+                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE})
     keys, key_constants = _code_args(region.keys, "K")
     values, value_constants = _code_args(region.values, "V")
+    wide, wide_constants = _wide_args(region.keys, dummy)
     mask, mode, column = _mask_args(_region_mask(region, attention_mask), q_len, hq, dummy, region.start)
-    return [*keys, *values, *mask, region.tokens, column], {**key_constants, **value_constants, "Q_MASK": mode}
+    return ([*keys, *values, *wide, *mask, region.tokens, column],
+            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode})
+
+
+def _wide_args(keys: StoredCodes, dummy: torch.Tensor) -> tuple[list, dict]:
+    """Pointer/stride arguments and constexprs of the keys' wide channels (dummies and ``K_WIDE=0`` without)."""
+    if keys.wide_bits is None:
+        return [dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0], dict(K_WIDE=0, K_WIDE_PAD=1, K_WIDE_BYTES=1)
+    count = keys.wide_channels.shape[-1]
+    constants = dict(K_WIDE=count, K_WIDE_PAD=_pow2(count), K_WIDE_BYTES=keys.wide_bits.shape[-1])
+    return [keys.wide_bits, *keys.wide_bits.stride(), keys.wide_channels, *keys.wide_channels.stride()], constants

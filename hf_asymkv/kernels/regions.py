@@ -49,6 +49,8 @@ class StoredCodes:
         layout: for sub-byte codes, one of :data:`LAYOUTS`.
         block_size: tokens per token-packed block (``layout="tokens"``).
         rotated: the codes hold ``x @ H`` (orthonormal block-Hadamard along ``head_dim``); values only.
+        wide_bits, wide_channels: keys with wide channels (:mod:`hf_asymkv.core.wide`): the high code bits
+            ``[B, H, N, ceil(R / 8)]`` and each block's channels ``[B, H, N // block_size, R]`` (uint8), else None.
     """
 
     codes: torch.Tensor
@@ -59,6 +61,8 @@ class StoredCodes:
     layout: str = "tokens"
     block_size: int = 1
     rotated: bool = False
+    wide_bits: torch.Tensor | None = None
+    wide_channels: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:

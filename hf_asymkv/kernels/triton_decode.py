@@ -15,7 +15,8 @@ that the softmax uses ``exp2``. Everything accumulates in float32; matrix produc
 (the model dtype on a GPU, float32 under the interpreter, whose bf16 dot is not supported).
 
 Quantized keys (one scale per channel per block, so one per tile): ``q . (s * c + z) = (q * s) . c + q . z``,
-the scale folded into the query and the zero term one number per tile and row. Quantized values with one
+the scale folded into the query and the zero term one number per tile and row; keys with wide channels
+(:mod:`hf_asymkv.core.wide`) get their high bits added to the tile's codes first. Quantized values with one
 scale and zero per token: ``sum_t p_t (s_t c_t + z_t) = (p * s) . C + sum_t p_t z_t``; other value groupings
 (several groups per token, per-block scales) are scaled in registers, tile by tile. No dense copy of a block
 is ever written to memory.
@@ -160,11 +161,35 @@ def _exact_split(q, k_ptr, sk_b, sk_h, sk_t, sk_d, v_ptr, sv_b, sv_h, sv_t, sv_d
 
 
 @triton.jit
-def _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, t0, tok, ch, ch_ok,
+def _wide_codes(kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok, ch, TG: tl.constexpr, WIDE: tl.constexpr,
+                WIDE_PAD: tl.constexpr, WIDE_BYTES: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr):
+    """What the high bits of the tile's wide channels add to its codes, ``[D, T]`` (0 for the other channels): the
+    block's ``WIDE`` channel indices, each channel's slot among them, and the slot's bit of each token (bit ``j //
+    WIDE_BYTES`` of byte ``j % WIDE_BYTES``), as ``STEP * bit - OFFSET`` (see :mod:`hf_asymkv.core.wide`)."""
+    slot = tl.arange(0, WIDE_PAD)
+    chosen = tl.load(kwc_base + (t0 // TG) * skwc_n + slot * skwc_r, mask=slot < WIDE, other=0).to(tl.int32)
+    chosen = tl.where(slot < WIDE, chosen, -1)
+    position = tl.sum(tl.where(chosen[None, :] == ch[:, None], slot[None, :] + 1, 0), 1) - 1  # [D], -1: not wide
+    wide = position >= 0
+    at = tl.maximum(position, 0)
+    byte = tl.load(kw_base + tok[None, :] * skw_t + (at % WIDE_BYTES)[:, None] * skw_p, mask=wide[:, None],
+                   other=0).to(tl.int32)
+    bit = (byte >> (at // WIDE_BYTES)[:, None]) & 1
+    return tl.where(wide[:, None], bit.to(tl.float32) * STEP - OFFSET, 0.0)
+
+
+@triton.jit
+def _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, kw_base, skw_t, skw_p, kwc_base, skwc_n,
+                skwc_r, t0, tok, ch, ch_ok,
                 HEAD_DIM: tl.constexpr, DOT: tl.constexpr, KIND: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                OFFSET: tl.constexpr, PB: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr, ZERO: tl.constexpr):
-    """Scores ``[R, T]`` of a tile inside one key scale group: ``(q * s) . c + q . z``."""
+                OFFSET: tl.constexpr, PB: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr, ZERO: tl.constexpr,
+                WIDE: tl.constexpr, WIDE_PAD: tl.constexpr, WIDE_BYTES: tl.constexpr):
+    """Scores ``[R, T]`` of a tile inside one key scale group: ``(q * s) . c + q . z``, the wide channels' high bits
+    added to their codes first."""
     kt = _codes(kc_base, tok[None, :], ch[:, None], skc_t, skc_d, ch_ok[:, None], HEAD_DIM, KIND, W0, W1, OFFSET, PB)
+    if WIDE > 0:
+        kt += _wide_codes(kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok, ch, TG, WIDE, WIDE_PAD,
+                          WIDE_BYTES, 1 << (W0 + W1), OFFSET)
     meta = (t0 // TG) * sks_t + (ch // CG) * sks_d
     scale = tl.load(ks_base + meta, mask=ch_ok, other=0.0).to(tl.float32)
     scores = _mma(q * scale[None, :], kt, DOT)
@@ -197,13 +222,15 @@ def _value_mix(p, vc_base, svc_t, svc_d, vs_base, vz_base, svs_t, svs_d, tok, ch
 @triton.jit
 def _quant_split(q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
                  vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+                 kw_ptr, skw_b, skw_h, skw_t, skw_p, kwc_ptr, skwc_b, skwc_h, skwc_n, skwc_r,
                  mask_ptr, sm_b, sm_h, sm_q, sm_k, col0, t_start, t_stop, b, h, heads, qpos, rows_ok, q_len, kv_len,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr,
                  MASK: tl.constexpr, DOT: tl.constexpr,
                  K_KIND: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_OFFSET: tl.constexpr,
                  K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
                  V_KIND: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_OFFSET: tl.constexpr,
-                 V_PB: tl.constexpr, V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr):
+                 V_PB: tl.constexpr, V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
+                 K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr):
     """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles): ``(acc, m, l)``."""
     ch = tl.arange(0, D_PAD)
     ch_ok = ch < HEAD_DIM
@@ -213,10 +240,12 @@ def _quant_split(q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, s
     kc_base, vc_base = kc_ptr + b * skc_b + h * skc_h, vc_ptr + b * svc_b + h * svc_h
     ks_base, kz_base = ks_ptr + b * sks_b + h * sks_h, kz_ptr + b * sks_b + h * sks_h
     vs_base, vz_base = vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h
+    kw_base, kwc_base = kw_ptr + b * skw_b + h * skw_h, kwc_ptr + b * skwc_b + h * skwc_h
     for t0 in range(t_start, t_stop, TILE):
         tok = t0 + tl.arange(0, TILE)
-        scores = _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, t0, tok, ch, ch_ok, HEAD_DIM,
-                             DOT, K_KIND, K_W0, K_W1, K_OFFSET, K_PB, K_TG, K_CG, K_ZERO)
+        scores = _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, kw_base, skw_t, skw_p,
+                             kwc_base, skwc_n, skwc_r, t0, tok, ch, ch_ok, HEAD_DIM, DOT, K_KIND, K_W0, K_W1,
+                             K_OFFSET, K_PB, K_TG, K_CG, K_ZERO, K_WIDE, K_WIDE_PAD, K_WIDE_BYTES)
         valid = rows_ok[:, None] & (tok[None, :] >= 0)
         scores += _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
                              col0 + tok[None, :], valid, q_len, kv_len, MASK)
@@ -236,6 +265,8 @@ def partial_attention_kernel(
     # the quantized region: key and value codes, scales and zeros (zeros share their scales' strides), its mask
     kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
     vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+    # the keys' wide channels (hf_asymkv.core.wide): high bits [B, H, N, WIDE_BYTES], indices [B, H, N // TG, WIDE]
+    kw_ptr, skw_b, skw_h, skw_t, skw_p, kwc_ptr, skwc_b, skwc_h, skwc_n, skwc_r,
     qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_n, q_col, q_splits,
     # exact segments 1 and 2: keys, values, mask
     ak_ptr, sak_b, sak_h, sak_t, sak_d, av_ptr, sav_b, sav_h, sav_t, sav_d, am_ptr, sam_b, sam_h, sam_q, sam_k,
@@ -250,6 +281,7 @@ def partial_attention_kernel(
     K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
     V_KIND: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_OFFSET: tl.constexpr, V_PB: tl.constexpr,
     V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
+    K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr,
 ):
     """Grid ``(B * heads_kv, n_splits)``: splits ``[0, q_splits)`` cover the quantized region, the next
     ``a_splits`` exact segment 1, the rest exact segment 2. Writes ``acc`` ``[B * H, n_splits, R, D]`` and
@@ -273,10 +305,11 @@ def partial_attention_kernel(
             acc, m_i, l_i = _quant_split(
                 q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
                 vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+                kw_ptr, skw_b, skw_h, skw_t, skw_p, kwc_ptr, skwc_b, skwc_h, skwc_n, skwc_r,
                 qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, tl.minimum(start + span, q_n), b, h, heads, qpos,
                 rows_ok, q_len, kv_len, HEAD_DIM, D_PAD, R_PAD, TILE, Q_MASK, DOT,
                 K_KIND, K_W0, K_W1, K_OFFSET, K_PB, K_TG, K_CG, K_ZERO,
-                V_KIND, V_W0, V_W1, V_OFFSET, V_PB, V_TG, V_CG, V_ZERO)
+                V_KIND, V_W0, V_W1, V_OFFSET, V_PB, V_TG, V_CG, V_ZERO, K_WIDE, K_WIDE_PAD, K_WIDE_BYTES)
     elif pid_s < q_splits + a_splits:
         if N_EXACT >= 1:
             start = (pid_s - q_splits) * span

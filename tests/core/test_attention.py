@@ -35,6 +35,10 @@ SPECS = [
     ("int8-asym-channel/int8-channel", QuantSpec("int8", "channel", symmetric=False),
      QuantSpec("int8", "channel", symmetric=False), 0),
     ("int8/int4+sinks", QuantSpec("int8", "channel"), QuantSpec("int4", "token", 16, symmetric=False), 3),
+    ("int4-asym-wide/int3", QuantSpec("int4", "channel", symmetric=False, wide_fraction=0.25),
+     QuantSpec("int3", "token", 16, symmetric=False), 0),
+    ("int3-sym-wide/int4+sinks", QuantSpec("int3", "channel", wide_fraction=0.5),
+     QuantSpec("int4", "token", 16, symmetric=False), 2),
 ]
 
 

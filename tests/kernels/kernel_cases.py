@@ -9,8 +9,9 @@ import torch
 
 from hf_asymkv.core.config import AsymKVConfig
 from hf_asymkv.core.presets import PRESETS
-from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
+from hf_asymkv.core.quant import QuantSpec, dequantize
 from hf_asymkv.core.rotation import dequantize_rotated, rotate
+from hf_asymkv.core.store import encode_blocks
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
 PAD = 13  # left padding of batch row 1 (columns hidden from every query of that row)
@@ -33,12 +34,14 @@ def stored(x: torch.Tensor, spec: QuantSpec, block: int) -> tuple[StoredCodes, t
     """Quantize ``x`` ``[B, H, N, D]`` as the cache does: ``(StoredCodes, its dequantized float64 values)``."""
     spec = dataclasses.replace(spec, block_size=block)
     source = rotate(x) if spec.rotated else x.float()
-    scale, zero = compute_scale_zero(source, spec)
-    codes = quantize(source, scale, zero, spec)
-    read = dequantize_rotated if spec.rotated else dequantize
-    dense = read(codes, scale, zero, spec, dtype=torch.float32).double()
+    codes, scale, zero, wide = encode_blocks(source, spec)  # compact's keys have wide channels
+    if spec.rotated:
+        dense = dequantize_rotated(codes, scale, zero, spec, dtype=torch.float32).double()
+    else:
+        dense = dequantize(codes, scale, zero, spec, dtype=torch.float32, wide=wide).double()
     return StoredCodes(codes.data, scale, zero, codes.bits, spec.symmetric, codes.layout, codes.block_size,
-                       spec.rotated), dense
+                       spec.rotated, None if wide is None else wide.bits,
+                       None if wide is None else wide.channels), dense
 
 
 def build(key_spec: QuantSpec, value_spec: QuantSpec, block: int, *, batch=2, heads=2, head_dim=64, sinks=4,
