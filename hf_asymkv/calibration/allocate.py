@@ -44,7 +44,7 @@ def check_sensitivity(sensitivity: dict) -> None:
 def preset_bits(config: AsymKVConfig, head_dim: int) -> float:
     """Stored bits per K/V element of ``config``'s keys and values (scales included; no overrides), the mean of
     the two: the budget that spends what ``config`` spends."""
-    key = {k: getattr(config, k) for k in ("key_format", "key_symmetric", "key_block_size")}
+    key = {k: getattr(config, k) for k in ("key_format", "key_symmetric", "key_block_size", "key_wide_fraction")}
     return (width_bits(key, head_dim) + width_bits({"value_bits": config.value_bits}, head_dim)) / 2
 
 

@@ -37,17 +37,21 @@ __all__ = ["KEY_WIDTHS", "SENSITIVITY_VERSION", "VALUE_WIDTHS", "layer_sensitivi
 SENSITIVITY_VERSION = 1
 """Version of the sensitivity dict (:func:`layer_sensitivity`), stored beside the scales."""
 
-KEY_WIDTHS: dict[str, dict] = {
+KEY_WIDTHS: dict[str, dict] = {name: {**settings, "key_wide_fraction": settings.get("key_wide_fraction", 0.0)} for
+                               name, settings in {
     "int2-b64": dict(key_format="int2", key_symmetric=False, key_block_size=64),
     "int2": dict(key_format="int2", key_symmetric=False, key_block_size=32),  # max's keys
     "int3-b128": dict(key_format="int3", key_symmetric=False, key_block_size=128),
     "int3": dict(key_format="int3", key_symmetric=False, key_block_size=64),  # tight's keys
     "int4-b128": dict(key_format="int4", key_symmetric=False, key_block_size=128),
-    "int4": dict(key_format="int4", key_symmetric=False, key_block_size=64),  # compact's keys
+    "int4": dict(key_format="int4", key_symmetric=False, key_block_size=64),
+    "int4w": dict(key_format="int4", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25),  # compact's
     "int8": dict(key_format="int8", key_symmetric=True, key_block_size=128),  # balanced's keys
-}
+}.items()}
 """Key settings compared per layer, by name: the presets' per-channel keys, and the same codes in longer blocks
-(fewer scale bytes), so that an allocation can also pay for protection by cheapening insensitive layers."""
+(fewer scale bytes), so that an allocation can also pay for protection by cheapening insensitive layers. Each names
+``key_wide_fraction`` (0 but for ``int4w``), so that a layer override never inherits the preset's wide channels
+for a format that has none."""
 VALUE_WIDTHS: dict[str, dict] = {f"v{bits}": dict(value_bits=bits) for bits in (2, 3, 4, 8)}
 """Value settings compared per layer (per-token groups, rotated as in every preset)."""
 _EXACT = 1 << 30  # a window longer than any prompt: that layer keeps its whole history exact
@@ -55,7 +59,8 @@ _EXACT = 1 << 30  # a window longer than any prompt: that layer keeps its whole 
 
 def width_bits(settings: dict, head_dim: int) -> float:
     """Stored bits per K or V element of a :data:`KEY_WIDTHS` / :data:`VALUE_WIDTHS` entry, scales included
-    (fp16 scale, and zero when asymmetric: per channel and block for keys, per token and group for values).
+    (fp16 scale, and zero when asymmetric: per channel and block for keys, per token and group for values; the high
+    bits and channel indices of wide key channels).
 
     Raises:
         ValueError: settings that are neither a key nor a value width.
@@ -63,7 +68,9 @@ def width_bits(settings: dict, head_dim: int) -> float:
     config = AsymKVConfig(**settings)
     if "key_format" in settings:
         spec = config.key_spec()
-        return spec.bits + (16 if spec.symmetric else 32) / config.key_block_size
+        wide = spec.wide_count(head_dim)  # a whole byte of high bits per token and head, one byte per channel index
+        wide_bits = 8 * -(-wide // 8) / head_dim + 8 * wide / (config.key_block_size * head_dim)
+        return spec.bits + (16 if spec.symmetric else 32) / config.key_block_size + (wide_bits if wide else 0.0)
     if set(settings) == {"value_bits"}:
         group = config.resolved([head_dim]).value_group_size
         return config.value_bits + 32 / group

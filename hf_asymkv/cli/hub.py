@@ -16,7 +16,7 @@ from .settings import core_settings
 __all__ = ["add_parsers"]
 
 SETTING_FLAGS = ("key_format", "value_bits", "key_block_size", "residual_length", "sink_tokens", "key_symmetric",
-                 "value_rotation", "overflow_policy")
+                 "key_wide_fraction", "value_rotation", "overflow_policy")
 """The ``AsymKVConfig`` fields ``publish`` takes as flags (``--key-format`` ...), over ``--preset`` or the defaults."""
 
 
@@ -175,6 +175,17 @@ def _note_private_links(out: Path) -> None:
               "); chmod the source files if others must read the export", file=sys.stderr)
 
 
+def _fraction(text: str) -> float:
+    """A number in [0, 1) for argparse (an error naming the value otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
 def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     """``--preset`` and one flag per :data:`SETTING_FLAGS` field; choices and defaults are the core's."""
     core = core_settings()
@@ -198,6 +209,9 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--key-symmetric", action=argparse.BooleanOptionalAction, default=None,
                    help=f"symmetric key codes; --no-key-symmetric: scale and zero per channel block, for the 4/3/2-bit "
                         f"integer key formats (default {'on' if d['key_symmetric'] else 'off'})")
+    g.add_argument("--key-wide-fraction", type=_fraction, default=None,
+                   help="share of each block's key channels given one more code bit (int4/int3/int2 keys per channel; "
+                        f"compact uses 0.25; 0 for none) (default {d['key_wide_fraction']})")
     g.add_argument("--value-rotation", action=argparse.BooleanOptionalAction, default=None,
                    help=f"store values Hadamard-rotated (default {'on' if d['value_rotation'] else 'off'})")
     g.add_argument("--overflow-policy", default=None, choices=core.overflow_policies,

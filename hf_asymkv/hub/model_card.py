@@ -130,7 +130,9 @@ def _settings_table(settings: dict) -> str:
 
 def _storage_text(c: AsymKVConfig) -> str:
     sinks = f" and the first {c.sink_tokens} tokens" if c.sink_tokens else ""
-    return (f"With the recommended settings below, keys are stored {c.key_format} per {c.key_granularity}, "
+    wide = (f" (the widest {c.key_wide_fraction:g} of each block's channels one bit wider)"
+            if c.key_wide_fraction else "")
+    return (f"With the recommended settings below, keys are stored {c.key_format} per {c.key_granularity}{wide}, "
             f"values int{c.value_bits} per {c.value_granularity}"
             f"{' (rotated by an orthonormal Hadamard matrix)' if c.value_rotation else ''}, and the newest {c.residual_length} tokens{sinks} "
             "stay exact.")

@@ -21,6 +21,9 @@ def test_width_bits_count_codes_and_scales():
     assert width_bits(KEY_WIDTHS["int8"], 64) == 8 + 16 / 128  # symmetric: scale only
     assert width_bits(VALUE_WIDTHS["v2"], 64) == 2 + 32 / 64  # scale and zero per token and 64-channel group
     assert preset_bits(PRESETS["max"], 64) == (3 + 2.5) / 2
+    # compact's keys: a byte of high bits per token for 16 of 64 channels, and 16 one-byte indices per block
+    assert width_bits(KEY_WIDTHS["int4w"], 64) == 4 + 32 / 64 + 8 / 64 * 2 + 16 * 8 / (64 * 64)
+    assert preset_bits(PRESETS["compact"], 64) == (width_bits(KEY_WIDTHS["int4w"], 64) + 3 + 32 / 64) / 2
     with pytest.raises(ValueError, match=r"width settings must name key_format or value_bits, got \{'sink_tokens'"):
         width_bits({"sink_tokens": 4}, 64)
 
@@ -46,6 +49,13 @@ def test_overrides_make_a_valid_config():
     config = AsymKVConfig(**PRESETS["max"].settings() | {"layer_overrides": overrides})
     assert config.for_layer(0).key_format == "int4" and config.for_layer(0).value_bits == 2
     assert config.for_layer(29).key_format == "int8" and config.for_layer(29).key_symmetric
+
+
+def test_overrides_on_compact_do_not_inherit_its_wide_channels():
+    """compact's keys have wide channels; a layer given int8 (or int3) keys must not keep them (int8 has none)."""
+    overrides = allocation_overrides({0: ("int8", "v4"), 1: ("int3", "v2"), 2: ("int4w", "v3")})
+    config = PRESETS["compact"].replace(layer_overrides=overrides)
+    assert [config.for_layer(i).key_wide_fraction for i in range(3)] == [0.0, 0.0, 0.25]
 
 
 @pytest.mark.parametrize(("sens", "message"), [

@@ -48,3 +48,11 @@ def test_publish_help_renders(capsys):
         main(["publish", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--preset {quality,balanced,lean,compact,tight,max}" in text and "int3" in text and "5, 6, 8" in text
+
+
+def test_key_wide_fraction_flag_takes_a_share():
+    check = _publish_actions()["key_wide_fraction"].type
+    assert check("0.25") == 0.25 and check("0") == 0.0
+    for bad in ("1", "-0.1", "quarter"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"expected a number in \\[0, 1\\), got '{bad}'"):
+            check(bad)
