@@ -31,10 +31,11 @@ PRESET_SETTINGS: dict[str, dict] = {
     # between balanced and compact: asymmetric int4 keys per channel in 32-token blocks, 4-bit rotated values
     "lean": dict(key_format="int4", key_symmetric=False, key_block_size=32, value_bits=4, value_rotation=True,
                  sink_tokens=4, residual_length=32),
-    # >= 3.5x: KIVI-like int4 keys in 64-token blocks, a fifth bit for each block's widest quarter of the key channels
-    # (halves outlier-heavy keys' damage for 0.28 bits, results/key_channel_bits/), 3-bit rotated values, window 64
+    # >= 3.5x: KIVI-like int4 keys in 64-token blocks with a fifth bit for each block's widest quarter of the key
+    # channels (half the attention KL, on outlier-heavy keys too), 3-bit rotated values; the window of 32 pays for the
+    # fifth bits (results/key_channel_bits/wide_channels.md)
     "compact": dict(key_format="int4", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25, value_bits=3,
-                    value_rotation=True, sink_tokens=4, residual_length=64),
+                    value_rotation=True, sink_tokens=4, residual_length=32),
     # just under 5x for far less damage than max: int3 keys in 64-token blocks, 2-bit rotated values, window 32
     "tight": dict(key_format="int3", key_symmetric=False, key_block_size=64, value_bits=2, value_rotation=True,
                   sink_tokens=4, residual_length=32),

@@ -1,0 +1,88 @@
+"""How many wide key channels `compact` can afford: attention KL on the stress and the plain model against bytes.
+
+`compact`'s keys with ``key_wide_fraction`` (a fifth bit for each 64-token block's widest channels, as built in
+``hf_asymkv.core.wide``) cost bytes that issue 22 says must stay inside `compact`'s budget (>= 3.5x smaller than a
+bf16 DynamicCache). This measures candidates that pay for them elsewhere (a shorter exact window, longer key blocks,
+fewer wide channels) beside `compact` as it was before them, on the same prompts (the window of 32 is what
+`compact` now uses):
+
+- attention KL as ``hf-asymkv eval attention --length 2048 --samples 2`` measures it, on the stress model
+  (``--stress-outliers qwen``) and on the plain model;
+- bytes at 4096 tokens two ways: ``memory_footprint()["total"]`` after a prefill (what the README's presets table
+  quotes) and what the frontier and the protection ablation count (``scheme_nbytes``: a prefill and one decode step,
+  growth capacity included), both against a bf16 DynamicCache.
+
+    python scripts/studies/wide_channels.py --out results/key_channel_bits/wide_channels.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hf_asymkv import PRESETS, AsymKVCache
+from hf_asymkv.bench import schemes
+from hf_asymkv.core.fileio import atomic_write_text
+from hf_asymkv.evals.attention import run_attention
+from hf_asymkv.evals.frontier import scheme_nbytes
+from hf_asymkv.evals.presets_table import measure_bytes
+from hf_asymkv.evals.stress import stress_description, stress_model
+from hf_asymkv.models import load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from key_channel_bits import study_args  # noqa: E402
+
+TOKENS = 4096
+# label -> settings over compact's
+CANDIDATES = {
+    "compact before (no wide channels, window 64)": dict(key_wide_fraction=0.0, residual_length=64),
+    "1/4 wide (16 of 64), window 64": dict(key_wide_fraction=0.25, residual_length=64),
+    "1/8 wide (8 of 64), window 64": dict(key_wide_fraction=0.125, residual_length=64),
+    "**1/4 wide, window 32 (compact now)**": dict(key_wide_fraction=0.25, residual_length=32),
+    "1/4 wide, window 48": dict(key_wide_fraction=0.25, residual_length=48),
+    "1/8 wide, window 32": dict(key_wide_fraction=0.125, residual_length=32),
+    "no wide channels, window 32": dict(key_wide_fraction=0.0, residual_length=32),
+    "1/4 wide, 128-token key blocks, window 64": dict(key_wide_fraction=0.25, key_block_size=128, residual_length=64),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stress", default="qwen")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=2)
+    args = study_args(ap)
+    names = {}
+    for label, settings in CANDIDATES.items():
+        config = PRESETS["compact"].replace(**settings)
+        name = f"study-{len(names)}"
+        schemes.SCHEMES[name] = (label, lambda cfg, c=config: AsymKVCache(cfg, c))
+        names[name] = label
+    model, tok = load_model()
+    footprint = measure_bytes(model, list(names), TOKENS)
+    dynamic = scheme_nbytes("dynamic", model.config, TOKENS)
+    counted = {name: dynamic / scheme_nbytes(name, model.config, TOKENS) for name in names}
+    plain = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *names], args.length, args.samples,
+                                                         show_progress=False)}
+    stress_model(model, tok, args.stress)
+    stressed = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *names], args.length,
+                                                           args.samples, show_progress=False)}
+    lines = [f"`python scripts/studies/wide_channels.py --stress {args.stress} --length {args.length} --samples "
+             f"{args.samples} --threads {args.threads} --out {args.out}`", "",
+             stress_description(args.stress), "",
+             f"Attention KL as `hf-asymkv eval attention --length {args.length} --samples {args.samples}` measures it "
+             f"(stress: `--stress-outliers {args.stress}`); x smaller than a bf16 DynamicCache at {TOKENS} tokens, "
+             "as the README's presets table counts (`memory_footprint()`) and as the frontier counts "
+             "(`scheme_nbytes`: growth capacity included). Every row is `compact` with the settings named.", "",
+             "| keys / settings over compact | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "
+             "attention KL, plain |", "|---|---:|---:|---:|---:|"]
+    for name, label in names.items():
+        lines.append(f"| {label} | {footprint[name]:.3f} | {counted[name]:.3f} | {stressed[name]:.3g} | "
+                     f"{plain[name]:.3g} |")
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
