@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack_bits, unpack_bits
+from .packing import pack_bits
 
-__all__ = ["WideBits", "add_wide_bits", "choose_channels", "split_wide", "wide_key_scores", "wide_levels"]
+__all__ = ["WideBits", "add_wide_bits", "choose_channels", "high_bits", "split_wide", "wide_key_scores", "wide_levels"]
 
 
 @dataclass
@@ -88,12 +88,18 @@ def split_wide(stored: torch.Tensor, channels: torch.Tensor, bits: int, block_si
     return codes & ((1 << bits) - 1), WideBits(pack_bits(padded, 1), channels.to(torch.uint8))
 
 
+def high_bits(wide: WideBits) -> torch.Tensor:
+    """The high bits as ``[B, H, T, R]`` uint8 (0 or 1): one broadcast shift over the packed bytes (bit ``j`` of
+    byte ``i`` is slot ``i + j * bytes``, :func:`~hf_asymkv.core.packing.pack_bits`'s 1-bit layout)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=wide.bits.device)[:, None]
+    return ((wide.bits[..., None, :] >> shifts) & 1).flatten(-2)[..., : wide.count]
+
+
 def wide_levels(wide: WideBits, spec, dtype: torch.dtype) -> torch.Tensor:
     """What each wide channel's high bit adds, in units of its scale: ``[B, H, T, R]`` in ``dtype``,
     ``2**bits * high - offset`` (``offset`` = the symmetric storage offset ``2**(bits-1)``, else 0)."""
-    high = unpack_bits(wide.bits, 1)[..., : wide.count].to(dtype)
-    offset = 2 ** (spec.bits - 1) if spec.symmetric else 0
-    return high * float(2**spec.bits) - float(offset)
+    levels = high_bits(wide).to(dtype).mul_(float(2**spec.bits))
+    return levels.sub_(float(2 ** (spec.bits - 1))) if spec.symmetric else levels
 
 
 def add_wide_bits(out: torch.Tensor, scale: torch.Tensor, wide: WideBits, spec) -> None:
@@ -105,8 +111,8 @@ def add_wide_bits(out: torch.Tensor, scale: torch.Tensor, wide: WideBits, spec) 
     b, h, t, d = out.shape
     bs = spec.block_size
     channels = wide.channels.long()
-    step = scale.gather(-1, channels)  # [B, H, N, R]
-    delta = wide_levels(wide, spec, step.dtype).view(b, h, t // bs, bs, -1) * step[:, :, :, None, :]
+    step = scale.gather(-1, channels)[:, :, :, None, :]  # [B, H, N, 1, R]
+    delta = wide_levels(wide, spec, step.dtype).view(b, h, t // bs, bs, -1).mul_(step)
     index = channels[:, :, :, None, :].expand(delta.shape)
     out.view(b, h, t // bs, bs, d).scatter_add_(-1, index, delta.to(out.dtype))
 

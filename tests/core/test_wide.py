@@ -12,7 +12,7 @@ import torch
 from conftest import llama_config
 from helpers import layer_config
 
-from hf_asymkv import AsymKVCache, AsymKVConfig
+from hf_asymkv import AsymKVCache, AsymKVConfig, cache_kwargs
 from hf_asymkv.core.config import CONFIG_VERSION
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
@@ -116,8 +116,8 @@ def test_static_store_reads_what_the_dynamic_store_reads(llama, prompt):
     dynamic = AsymKVCache.from_preset("compact", llama.config, **settings)
     static = AsymKVCache.from_preset("compact", llama.config, max_cache_len=prompt.shape[1] + 4, **settings)
     with torch.no_grad():
-        a = llama(prompt, past_key_values=dynamic, use_cache=True)
-        b = llama(prompt, past_key_values=static, use_cache=True)
+        a = llama(prompt, **cache_kwargs(dynamic), use_cache=True)
+        b = llama(prompt, **cache_kwargs(static), use_cache=True)
     assert torch.equal(a.logits, b.logits)
     footprint = static.memory_footprint()
     assert footprint["key_wide_bits"] > 0 and footprint["key_wide_channels"] > 0
