@@ -43,9 +43,11 @@ def _quantized_kv(model, preset: str, batch: int, context: int, dtype: torch.dty
 
 
 def read_bytes(kv) -> int:
-    """Bytes one attention call reads of a layer's ``QuantizedKV`` (codes, scales, zeros and exact tokens)."""
+    """Bytes one attention call reads of a layer's ``QuantizedKV`` (codes, scales, zeros, wide channels' high bits and
+    indices, and exact tokens)."""
     overlay = None if kv.overlay is None else kv.overlay.tokens
-    parts = (kv.prefix, kv.codes.data, kv.scale, kv.zero, kv.tail, overlay)
+    wide = (None, None) if kv.wide is None else (kv.wide.bits, kv.wide.channels)
+    parts = (kv.prefix, kv.codes.data, kv.scale, kv.zero, kv.tail, overlay, *wide)
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
