@@ -54,7 +54,8 @@ def test_architecture_map_names_existing_files():
 def _describe_keys(config: AsymKVConfig) -> str:
     kind = "" if config.key_symmetric else " asymmetric"
     unit = "blocks" if config.key_symmetric else "groups"
-    return f"{config.key_format}{kind} per {config.key_granularity}, {config.key_block_size}-token {unit}"
+    wide = f", +1 bit on each group's widest {config.key_wide_fraction:.0%} of channels" if config.key_wide_fraction else ""
+    return f"{config.key_format}{kind} per {config.key_granularity}, {config.key_block_size}-token {unit}{wide}"
 
 
 def _describe_values(config: AsymKVConfig) -> str:
