@@ -25,8 +25,9 @@ from transformers.cache_utils import DynamicCache
 from ..core.cache import AsymKVCache
 from ..core.compat import cache_kwargs
 from ..core.config import AsymKVConfig
-from ..core.quant import compute_scale_zero, dequantize, quantize
+from ..core.quant import dequantize
 from ..core.shapes import layer_shapes
+from ..core.store import encode_blocks
 from ..evals.attention import attention_stats, eager_attention
 from ..evals.evaluate import cache_from_prefix
 from ..models import input_device
@@ -145,9 +146,9 @@ def layer_sensitivity(model, ids: torch.Tensor, queries: int = 16, key_widths: l
 
 
 def _relative_error(x: torch.Tensor, spec) -> float:
-    """``||x - q(x)||^2 / ||x||^2`` of a round trip through ``spec``."""
-    scale, zero = compute_scale_zero(x, spec)
-    error = dequantize(quantize(x, scale, zero, spec), scale, zero, spec) - x.float()
+    """``||x - q(x)||^2 / ||x||^2`` of a round trip through ``spec`` (its wide key channels included)."""
+    codes, scale, zero, wide = encode_blocks(x, spec)
+    error = dequantize(codes, scale, zero, spec, wide=wide) - x.float()
     return float(error.square().sum() / x.float().square().sum().clamp_min(1e-30))
 
 
