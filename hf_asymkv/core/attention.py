@@ -33,7 +33,6 @@ from .kv_view import HEADWISE_MASKING_REFUSED, QuantizedKV, SinkOverlayView, mas
 from .quant import decode_codes
 from .rotation import rotate, unrotate
 from .static_attention import StaticQuantizedKV, static_fused_attention
-from .wide import wide_key_scores
 
 __all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "asymkv_sdpa_attention", "fused_attention", "register"]
 
@@ -57,20 +56,18 @@ def _expand_channels(meta: torch.Tensor, head_dim: int) -> torch.Tensor:
 def _key_scores(q: torch.Tensor, k: QuantizedKV) -> torch.Tensor:
     """``q @ K_quant^T`` without dequantizing K: ``[B, H, Q, N]`` for ``q`` ``[B, H, Q, D]``.
 
-    Per block ``b``: ``q . (s_b * c + z_b) = (q * s_b) . c + q . z_b`` (+ the wide channels' high bits,
-    :func:`~hf_asymkv.core.wide.wide_key_scores`).
+    Per block ``b``: ``q . (s_b * c + z_b) = (q * s_b) . c + q . z_b`` (the wide channels' high bits folded into
+    ``c``).
     """
     b, h, nq, d = q.shape
     n, bs = k.n_quantized, k.spec.block_size
-    codes = decode_codes(k.codes, k.spec, dtype=q.dtype).view(b, h, n // bs, bs, d)
+    codes = decode_codes(k.codes, k.spec, dtype=q.dtype, wide=k.wide).view(b, h, n // bs, bs, d)
     scale = _expand_channels(k.scale.to(q.dtype), d)  # [B, H, nblk, D]
     qs = q[:, :, None] * scale[:, :, :, None, :]  # [B, H, nblk, Q, D]
     scores = qs @ codes.transpose(-1, -2)  # [B, H, nblk, Q, bs]
     if k.zero is not None:
         zero = _expand_channels(k.zero.to(q.dtype), d)
         scores += (q[:, :, None] @ zero[:, :, :, :, None])  # [B, H, nblk, Q, 1]
-    if k.wide is not None:  # the wide channels' high bits: one more partial product
-        scores += wide_key_scores(q, scale, k.wide, k.spec)
     return scores.permute(0, 1, 3, 2, 4).reshape(b, h, nq, n)
 
 

@@ -29,7 +29,7 @@ import torch
 
 from .packing import PackedCodes, pack_codes, packs_tokens, plane_widths, unpack_codes
 from .rounding import round_down, round_up
-from .wide import WideBits, add_wide_bits
+from .wide import WideBits, add_wide_codes
 
 __all__ = [
     "FORMATS",
@@ -292,7 +292,7 @@ def dequantize(
         scale, zero: ``[B, H, T // tg, D // cg]``.
         dtype: output dtype (the model's); arithmetic runs in it.
         out: optional ``[B, H, T, D]`` destination (e.g. a slice of the dense K/V handed to attention).
-        wide: the high code bits of the blocks' wide channels (a spec with ``wide_fraction``), added after scaling.
+        wide: the high code bits of the blocks' wide channels (a spec with ``wide_fraction``), folded into the codes.
 
     Returns:
         ``[B, H, T, D]`` tensor (``out`` when given).
@@ -302,7 +302,7 @@ def dequantize(
     over ``out``, without the allocation. Sub-byte codes are unpacked in bytes first (:func:`decode_codes`). In float32 the result is exact to one
     rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once).
     """
-    out = decode_codes(codes, spec, dtype=dtype, out=out)
+    out = decode_codes(codes, spec, dtype=dtype, out=out, wide=wide)
     head_dim = out.shape[-1]
     tg, cg = spec.groups(head_dim)
     dest = _grouped(out, tg, cg)
@@ -313,8 +313,6 @@ def dequantize(
         torch.addcmul(_bcast(_factor(zero, dtype)), dest, factor, out=dest)  # mul + add for row-broadcast scales)
     else:
         dest.mul_(factor).add_(_bcast(_factor(zero, dtype)))
-    if wide is not None:
-        add_wide_bits(out, _factor(scale, dtype), wide, spec)
     return out
 
 
@@ -343,12 +341,12 @@ def needs_wider_metadata(x: torch.Tensor, spec: QuantSpec) -> bool:
 
 
 def decode_codes(codes: PackedCodes, spec: QuantSpec, *, dtype: torch.dtype = torch.float32,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, wide: WideBits | None = None) -> torch.Tensor:
     """Stored codes -> the integer (or fp8) code values in ``dtype``, before scale and zero: ``[B, H, T, D]``.
 
     Sub-byte codes are unpacked into bytes (:func:`~hf_asymkv.core.packing.unpack_codes`, in the layout the codes
-    carry), symmetric ones get their storage offset removed there, and one conversion writes ``out``. Integers
-    up to 8 bits are exact in every float dtype.
+    carry), symmetric ones get their storage offset removed there, the wide channels' high bits (``wide``) are folded
+    in, and one conversion writes ``out``. Integers up to 8 bits are exact in every float dtype.
 
     Raises:
         ValueError: codes of another width than ``spec``'s.
@@ -360,7 +358,8 @@ def decode_codes(codes: PackedCodes, spec: QuantSpec, *, dtype: torch.dtype = to
         out = torch.empty(b, h, t, codes.head_dim, dtype=dtype, device=codes.device)
     if spec.is_float or spec.bits == 8:
         return out.copy_(codes.data)
-    return out.copy_(integer_codes(codes, spec))
+    ints = integer_codes(codes, spec)
+    return out.copy_(ints if wide is None else add_wide_codes(ints, wide, spec))
 
 
 def integer_codes(codes: PackedCodes, spec: QuantSpec) -> torch.Tensor:

@@ -164,17 +164,17 @@ def _exact_split(q, k_ptr, sk_b, sk_h, sk_t, sk_d, v_ptr, sv_b, sv_h, sv_t, sv_d
 def _wide_codes(kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok, ch, TG: tl.constexpr, WIDE: tl.constexpr,
                 WIDE_PAD: tl.constexpr, WIDE_BYTES: tl.constexpr, STEP: tl.constexpr, OFFSET: tl.constexpr):
     """What the high bits of the tile's wide channels add to its codes, ``[D, T]`` (0 for the other channels): the
-    block's ``WIDE`` channel indices, each channel's slot among them, and the slot's bit of each token (bit ``j //
-    WIDE_BYTES`` of byte ``j % WIDE_BYTES``), as ``STEP * bit - OFFSET`` (see :mod:`hf_asymkv.core.wide`)."""
+    block's ``WIDE`` channel indices, each channel's slot among them, and the slot's bit of each token (bit ``j % 8``
+    of byte ``j // 8``), as ``STEP * bit - OFFSET`` (see :mod:`hf_asymkv.core.wide`)."""
     slot = tl.arange(0, WIDE_PAD)
     chosen = tl.load(kwc_base + (t0 // TG) * skwc_n + slot * skwc_r, mask=slot < WIDE, other=0).to(tl.int32)
     chosen = tl.where(slot < WIDE, chosen, -1)
     position = tl.sum(tl.where(chosen[None, :] == ch[:, None], slot[None, :] + 1, 0), 1) - 1  # [D], -1: not wide
     wide = position >= 0
     at = tl.maximum(position, 0)
-    byte = tl.load(kw_base + tok[None, :] * skw_t + (at % WIDE_BYTES)[:, None] * skw_p, mask=wide[:, None],
+    byte = tl.load(kw_base + tok[None, :] * skw_t + (at // 8)[:, None] * skw_p, mask=wide[:, None],
                    other=0).to(tl.int32)
-    bit = (byte >> (at // WIDE_BYTES)[:, None]) & 1
+    bit = (byte >> (at % 8)[:, None]) & 1
     return tl.where(wide[:, None], bit.to(tl.float32) * STEP - OFFSET, 0.0)
 
 
