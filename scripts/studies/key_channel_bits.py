@@ -101,6 +101,20 @@ def kl(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return attention_stats(ref, approx, ks=())["kl"]
 
 
+def stress_study_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """:func:`study_args` with the stress studies' common options: ``--stress``, ``--length``, ``--samples``."""
+    ap.add_argument("--stress", default="qwen", help="--stress-outliers spec, or 'none' for the model as it is")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=2)
+    return study_args(ap)
+
+
+def write_report(out: Path, lines: list[str]) -> None:
+    """Write the report's lines to ``out`` (atomically) and print them."""
+    atomic_write_text(out, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def study_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     """Add ``--threads`` and ``--out`` to a study's own options and parse: ``--out`` is checked before minutes of
     work, and torch gets ``--threads`` threads."""
@@ -115,12 +129,9 @@ def study_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stress", default="qwen", help="--stress-outliers spec, or 'none' for the model as it is")
-    ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--queries", type=int, default=32)
     ap.add_argument("--block", type=int, default=64)
-    args = study_args(ap)
+    args = stress_study_args(ap)
     model, tok = load_model()
     if args.stress != "none":
         stress_model(model, tok, args.stress)
@@ -176,8 +187,7 @@ def main() -> None:
         ref = at_bits(bits)
         lines.append(f"| {name} | {bits:.3g} | {source or '-'} | {mean:.3g} | {max(v):.3g} | {ref:.3g} | "
                      f"{mean / ref:.2f} |")
-    atomic_write_text(args.out, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from hf_asymkv import PRESETS, AsymKVCache
 from hf_asymkv.bench import schemes
 from hf_asymkv.core import store
 from hf_asymkv.core.cache import AsymKVCache as _Cache
-from hf_asymkv.core.fileio import atomic_write_text
 from hf_asymkv.evals.attention import run_attention
 from hf_asymkv.evals.haystack import load_text
 from hf_asymkv.evals.ppl import text_windows
@@ -38,7 +37,14 @@ from hf_asymkv.evals.stress import stress_description, stress_model
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import capture_qk, channel_weights, mixed_keys, round_keys, study_args  # noqa: E402
+from key_channel_bits import (  # noqa: E402
+    capture_qk,
+    channel_weights,
+    mixed_keys,
+    round_keys,
+    stress_study_args,
+    write_report,
+)
 
 BLOCK = 64
 TOKENS = 4096
@@ -120,10 +126,7 @@ def install() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stress", default="qwen")
-    ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=2)
-    args = study_args(ap)
+    args = stress_study_args(ap)
     model, tok = load_model()
     stress_model(model, tok, args.stress)
     calibration = capture_qk(model, text_windows(tok, load_text(None)[0], args.length, 1)[0])
@@ -171,8 +174,7 @@ def main() -> None:
             preset = name.removeprefix("asymkv-")
             bits = PRESETS[preset].key_spec().bits
         lines.append(f"| {name} | {bits:.3g} | {bytes_ratio(preset, bits, model.config):.2f} | {rows[name]:.3g} |")
-    atomic_write_text(args.out, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ cost of one is the difference to the stage before it.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
@@ -25,18 +26,12 @@ from hf_asymkv.core.quant import decode_codes, dequantize
 from hf_asymkv.core.rotation import dequantize_rotated
 from hf_asymkv.core.wide import add_wide_codes, high_bits
 
-Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from layer_step import HEAD_DIM, KV_HEADS, Q_HEADS, best_ms  # noqa: E402  (SmolLM2's attention shape)
 
 
 def best_us(fn, repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e6
+    return best_ms(fn, repeats) * 1e3
 
 
 def stages(preset: str, length: int, repeats: int) -> list[tuple[str, str, float]]:

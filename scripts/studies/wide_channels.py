@@ -23,7 +23,6 @@ from pathlib import Path
 
 from hf_asymkv import PRESETS, AsymKVCache
 from hf_asymkv.bench import schemes
-from hf_asymkv.core.fileio import atomic_write_text
 from hf_asymkv.evals.attention import run_attention
 from hf_asymkv.evals.frontier import scheme_nbytes
 from hf_asymkv.evals.presets_table import measure_bytes
@@ -31,7 +30,7 @@ from hf_asymkv.evals.stress import stress_description, stress_model
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import study_args  # noqa: E402
+from key_channel_bits import stress_study_args, write_report  # noqa: E402
 
 TOKENS = 4096
 # label -> settings over compact's
@@ -49,10 +48,7 @@ CANDIDATES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stress", default="qwen")
-    ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=2)
-    args = study_args(ap)
+    args = stress_study_args(ap)
     names = {}
     for label, settings in CANDIDATES.items():
         config = PRESETS["compact"].replace(**settings)
@@ -80,8 +76,7 @@ def main() -> None:
     for name, label in names.items():
         lines.append(f"| {label} | {footprint[name]:.3f} | {counted[name]:.3f} | {stressed[name]:.3g} | "
                      f"{plain[name]:.3g} |")
-    atomic_write_text(args.out, "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, lines)
 
 
 if __name__ == "__main__":
