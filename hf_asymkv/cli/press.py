@@ -103,8 +103,8 @@ def add_parser(evals) -> None:
     e.add_argument("--presets", type=name_list(PRESET_NAMES, "preset"), default="compact",
                    help=f"comma-separated presets, alone and under each press, from: {', '.join(PRESET_NAMES)}")
     e.add_argument("--window", type=at_least(0), default=None,
-                   help="every preset's exact window (residual_length) instead of its own, e.g. 16: the same bytes "
-                        "per quantized token, fewer tokens held exact (runs are named 'compact, window 16')")
+                   help="every preset's exact window (residual_length) instead of its own: the same bytes per quantized "
+                        "token, another number of tokens held exact (runs are named e.g. 'compact, window 96')")
     e.add_argument("--lengths", type=int_list, default="2048,4096", help="needle token budgets (default 2048,4096)")
     e.add_argument("--depths", type=fraction_list, default="0.2,0.5,0.8", help="needle depths in [0, 1]")
     e.add_argument("--tasks", type=name_list(TASKS, "task"), default="single,multikey",
