@@ -52,7 +52,8 @@ def cache_from_prefix(cache, prefilled):
     ``DynamicSlidingWindowLayer``, ``DummyLayer``; exact types, not subclasses: ``QuantizedCache`` layers
     subclass ``DynamicLayer``) receives the prefix K/V in one ``update``, exactly what the real prefill does:
     our ``AsymKVLayer`` and transformers' quanto/fp8 ``QuantizedLayer`` quantize it there. Plain layers become
-    copies of the full-precision layer.
+    copies of the full-precision layer. Our cache's reuse check takes the prefix as its prefill, so the tail that
+    follows raises no :class:`~hf_asymkv.core.reuse.CacheReuseWarning`.
 
     Raises:
         ValueError: a quantizing layer where the prefilled layer only kept a sliding window (its K/V are not
@@ -67,6 +68,9 @@ def cache_from_prefix(cache, prefilled):
             raise ValueError(f"layer {i}: cannot prefill a {type(layer).__name__} from a {type(source).__name__} "
                              "(needs the full prefix K/V of a DynamicLayer)")
         layer.update(source.keys, source.values)
+    watch = getattr(cache, "reuse_watch", None)  # ours: the prefix is this cache's own prefill, not an earlier prompt's
+    if watch is not None:
+        watch.rewound(int(cache.layers[watch.layer_idx].get_seq_length()))
     return cache
 
 
