@@ -13,6 +13,9 @@ fewer wide channels) beside `compact` as it was before them, on the same prompts
   growth capacity included), both against a bf16 DynamicCache.
 
     python scripts/studies/wide_channels.py --out results/key_channel_bits/wide_channels.md
+
+``--base tight`` measures the same question at issue 22's >= 5x target instead: `tight` (int3 keys, 2-bit values)
+with wide channels, paid for with 128-token key blocks (``results/key_channel_bits/wide_channels_tight.md``).
 """
 
 from __future__ import annotations
@@ -45,13 +48,24 @@ CANDIDATES = {
     "1/4 wide, 128-token key blocks, window 64": dict(key_wide_fraction=0.25, key_block_size=128, residual_length=64),
 }
 
+# label -> settings over tight's (int3 keys in 64-token blocks, 2-bit rotated values, window 32)
+TIGHT_CANDIDATES = {
+    "tight as it is": {},
+    "1/4 wide": dict(key_wide_fraction=0.25),
+    "1/4 wide, 128-token key blocks": dict(key_wide_fraction=0.25, key_block_size=128),
+    "1/8 wide, 128-token key blocks": dict(key_wide_fraction=0.125, key_block_size=128),
+    "no wide channels, 128-token key blocks": dict(key_block_size=128),
+}
+BASES = {"compact": CANDIDATES, "tight": TIGHT_CANDIDATES}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", choices=sorted(BASES), default="compact", help="the preset the candidates change")
     args = stress_study_args(ap)
     names = {}
-    for label, settings in CANDIDATES.items():
-        config = PRESETS["compact"].replace(**settings)
+    for label, settings in BASES[args.base].items():
+        config = PRESETS[args.base].replace(**settings)
         name = f"study-{len(names)}"
         schemes.SCHEMES[name] = (label, lambda cfg, c=config: AsymKVCache(cfg, c))
         names[name] = label
@@ -64,14 +78,15 @@ def main() -> None:
     stress_model(model, tok, args.stress)
     stressed = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *names], args.length,
                                                            args.samples, show_progress=False)}
-    lines = [f"`python scripts/studies/wide_channels.py --stress {args.stress} --length {args.length} --samples "
+    base = "" if args.base == "compact" else f" --base {args.base}"
+    lines = [f"`python scripts/studies/wide_channels.py{base} --stress {args.stress} --length {args.length} --samples "
              f"{args.samples} --threads {args.threads} --out {args.out}`", "",
              stress_description(args.stress), "",
              f"Attention KL as `hf-asymkv eval attention --length {args.length} --samples {args.samples}` measures it "
              f"(stress: `--stress-outliers {args.stress}`); x smaller than a bf16 DynamicCache at {TOKENS} tokens, "
              "as the README's presets table counts (`memory_footprint()`) and as the frontier counts "
-             "(`scheme_nbytes`: growth capacity included). Every row is `compact` with the settings named.", "",
-             "| keys / settings over compact | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "
+             f"(`scheme_nbytes`: growth capacity included). Every row is `{args.base}` with the settings named.", "",
+             f"| keys / settings over {args.base} | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "
              "attention KL, plain |", "|---|---:|---:|---:|---:|"]
     for name, label in names.items():
         lines.append(f"| {label} | {footprint[name]:.3f} | {counted[name]:.3f} | {stressed[name]:.3g} | "
