@@ -50,10 +50,10 @@ def cache_from_prefix(cache, prefilled):
 
     Every layer of a storage type other than transformers' plain ones (``DynamicLayer``,
     ``DynamicSlidingWindowLayer``, ``DummyLayer``; exact types, not subclasses: ``QuantizedCache`` layers
-    subclass ``DynamicLayer``) receives the prefix K/V in one ``update``, exactly what the real prefill does:
-    our ``AsymKVLayer`` and transformers' quanto/fp8 ``QuantizedLayer`` quantize it there. Plain layers become
-    copies of the full-precision layer. Our cache's reuse check takes the prefix as its prefill, so the tail that
-    follows raises no :class:`~hf_asymkv.core.reuse.CacheReuseWarning`.
+    subclass ``DynamicLayer``) receives the prefix K/V in one ``cache.update``, exactly what the real prefill does:
+    our ``AsymKVLayer`` and transformers' quanto/fp8 ``QuantizedLayer`` quantize it there, and our cache's reuse check
+    takes it as the prefill (the tail that follows raises no :class:`~hf_asymkv.core.reuse.CacheReuseWarning`).
+    Plain layers become copies of the full-precision layer.
 
     Raises:
         ValueError: a quantizing layer where the prefilled layer only kept a sliding window (its K/V are not
@@ -67,10 +67,7 @@ def cache_from_prefix(cache, prefilled):
         if type(source) is not DynamicLayer:
             raise ValueError(f"layer {i}: cannot prefill a {type(layer).__name__} from a {type(source).__name__} "
                              "(needs the full prefix K/V of a DynamicLayer)")
-        layer.update(source.keys, source.values)
-    watch = getattr(cache, "reuse_watch", None)  # ours: the prefix is this cache's own prefill, not an earlier prompt's
-    if watch is not None:
-        watch.rewound(int(cache.layers[watch.layer_idx].get_seq_length()))
+        cache.update(source.keys, source.values, i)  # through the cache, as the model's prefill calls it
     return cache
 
 
