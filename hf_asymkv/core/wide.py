@@ -111,10 +111,11 @@ def high_bits(wide: WideBits) -> torch.Tensor:
 
 
 def wide_levels(wide: WideBits, spec, dtype: torch.dtype) -> torch.Tensor:
-    """What each wide channel's high bit adds, in units of its scale: ``[B, H, T, R]`` in ``dtype``,
-    ``2**bits * high - offset`` (``offset`` = the symmetric storage offset ``2**(bits-1)``, else 0)."""
-    levels = high_bits(wide).to(dtype).mul_(float(2**spec.bits))
-    return levels.sub_(float(2 ** (spec.bits - 1))) if spec.symmetric else levels
+    """What each wide channel's high bit adds, in units of its scale: ``[B, H, T, R]`` in ``dtype`` (float, or the
+    integer codes' uint8 / int8), ``2**bits * high - offset`` (``offset`` = the symmetric storage offset
+    ``2**(bits-1)``, else 0)."""
+    levels = high_bits(wide).to(dtype).mul_(2**spec.bits)
+    return levels.sub_(2 ** (spec.bits - 1)) if spec.symmetric else levels
 
 
 def add_wide_codes(ints: torch.Tensor, wide: WideBits, spec) -> torch.Tensor:
@@ -125,10 +126,7 @@ def add_wide_codes(ints: torch.Tensor, wide: WideBits, spec) -> torch.Tensor:
     scatter-add over the ``R`` wide channels per token. Returns ``ints``."""
     b, h, t, d = ints.shape
     bs = spec.block_size
-    high = high_bits(wide).view(b, h, t // bs, bs, -1).to(ints.dtype)
-    high.mul_(2**spec.bits)
-    if spec.symmetric:  # the wider code's offset is 2**bits, the stored one 2**(bits-1)
-        high.sub_(2 ** (spec.bits - 1))
+    high = wide_levels(wide, spec, ints.dtype).view(b, h, t // bs, bs, -1)
     index = wide.channels.long()[:, :, :, None, :].expand(high.shape)
     ints.view(b, h, t // bs, bs, d).scatter_add_(-1, index, high)
     return ints
