@@ -7,7 +7,9 @@ attention (SQNR), times the attention alone against SDPA over bf16 K/V, then tim
 imports), our dense read-out, our Triton path (balanced, compact, max), and the static caches with the decode
 step under ``torch.compile`` (ours, ``AsymKVCache(max_cache_len=...)``, beside transformers' StaticCache), each
 beside its physical ceiling (weights + KV bytes over the bandwidth), with peak memory, prefill time and the longest
-context each fits in a memory budget. Writes results/gpu/gpu_check.{md,json}. About 5 minutes on one H200.
+context each fits in a memory budget. Writes results/gpu/gpu_check.{md,json}, rewritten after every part and every
+decode row (a run cut short leaves the rows it measured, marked partial). Eager schemes run first at every setting,
+the compiled ones (one compile per row) after them; ``--time-budget`` skips the rows not started in time.
 
 On the GPU machine (torch, triton and transformers installed):
 
@@ -24,6 +26,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 CONTEXTS = [8192, 32768, 131072]  # batch-1 decode contexts (tokens of random prompt before decoding)
@@ -61,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bandwidth-tbps", type=float, default=BANDWIDTH_TBPS, help="the card's memory bandwidth, TB/s")
     p.add_argument("--budget-gib", type=float, default=BUDGET_GIB)
     p.add_argument("--full-layers", type=int, default=FULL_LAYERS)
+    p.add_argument("--compiled-contexts", type=int, nargs="+", default=None,
+                   help="batch-1 contexts for the compiled schemes (default: --contexts; each is a new compile)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no decode row after this many seconds (those rows say so); the report is still written")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     if args.dry_run:
@@ -75,11 +82,14 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     least = [("--contexts", args.contexts, 1), ("--long-batch", args.long_batch, 1), ("--steps", args.steps, 1),
              ("--warmup", args.warmup, 0), ("--layers", args.layers, 1), ("--iters", args.iters, 1),
              ("--attention-context", args.attention_context, 1), ("--attention-batches", args.attention_batches, 1),
-             ("--full-layers", args.full_layers, 1)]
+             ("--full-layers", args.full_layers, 1), ("--compiled-contexts", args.compiled_contexts or [1], 1)]
     for flag, value, minimum in least:
         if min(value if isinstance(value, list) else [value]) < minimum:
             p.error(f"{flag} must be >= {minimum}, got {value}")
-    for flag, value in (("--bandwidth-tbps", args.bandwidth_tbps), ("--budget-gib", args.budget_gib)):
+    positive = [("--bandwidth-tbps", args.bandwidth_tbps), ("--budget-gib", args.budget_gib)]
+    if args.time_budget is not None:
+        positive.append(("--time-budget", args.time_budget))
+    for flag, value in positive:
         if not value > 0:
             p.error(f"{flag} must be > 0, got {value}")
 
@@ -107,36 +117,66 @@ def main(argv: list[str] | None = None) -> dict:
 def run(args: argparse.Namespace, schemes: list[str]) -> dict:
     import torch
 
-    from hf_asymkv.bench import gpu_attention, gpu_report, gpu_runs, op_count
+    from hf_asymkv.bench import gpu_attention, gpu_runs, op_count
     from hf_asymkv.core.presets import PRESETS as PRESETS_ALL
 
+    started = time.monotonic()
     device = torch.device("cpu" if args.dry_run else "cuda")
     shapes = dataclasses.replace(gpu_runs.DRY_SHAPES if args.dry_run else gpu_runs.LLAMA3_8B, layers=args.layers)
     model = gpu_runs.build_model(shapes, torch.float32 if args.dry_run else torch.bfloat16, device)
-    bandwidth = args.bandwidth_tbps * 1e12
     meta = _meta(args, shapes, model, device)
     print(f"model: {shapes}, weights read per step {meta['weight_bytes'] / 2**30:.2f} GiB", flush=True)
-    flush = op_count.flush_cost_rows(model, list(PRESETS_ALL))
-    checks = gpu_attention.kernel_check_rows(model, PRESETS, 2, min(CHECK_CONTEXT, args.attention_context))
-    attention = [row for batch in args.attention_batches
-                 for row in gpu_attention.attention_rows(model, PRESETS, batch, args.attention_context, args.iters)]
-    settings = [(1, c) for c in args.contexts] + [tuple(args.long_batch)]
-    decode = []
-    for batch, context in settings:
-        for name in schemes:
+    parts = {"update_cost": op_count.flush_cost_rows(model, list(PRESETS_ALL)), "kernel_check": [], "attention": [],
+             "decode": []}
+    parts["kernel_check"] = gpu_attention.kernel_check_rows(model, PRESETS, 2, min(CHECK_CONTEXT, args.attention_context))
+    _write(args, meta, parts, final=False)
+    for batch in args.attention_batches:
+        parts["attention"] += gpu_attention.attention_rows(model, PRESETS, batch, args.attention_context, args.iters)
+    _write(args, meta, parts, final=False)
+    for name, batch, context in decode_plan(args, schemes):
+        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
+            row = gpu_runs.DecodeRow(name, batch, context, status=f"skipped: --time-budget {args.time_budget:g} s spent")
+        else:
             row = gpu_runs.decode_row(model, name, batch, context, args.steps, args.warmup)
-            print(f"decode {name} batch {batch} context {context}: {row.status} {row.decode_ms:.2f} ms/step", flush=True)
-            decode.append(row.as_dict())
-    decode = gpu_report.with_ceilings(decode, meta["weight_bytes"], bandwidth)
-    attention = gpu_report.attention_table(attention, bandwidth)
-    fit = gpu_report.fit_rows(decode, shapes.layers, args.full_layers, args.budget_gib * 2**30)
+        print(f"decode {name} batch {batch} context {context}: {row.status} {row.decode_ms:.2f} ms/step", flush=True)
+        parts["decode"].append(row.as_dict())
+        _write(args, meta, parts, final=False)
+    return _write(args, meta, parts, final=True)
+
+
+def decode_plan(args: argparse.Namespace, schemes: list[str]) -> list[tuple[str, int, int]]:
+    """``(scheme, batch, context)`` in the order they run: every eager scheme at every setting first, then the
+    compiled ones (a compile each) at ``--compiled-contexts`` and the long batch, so that a time budget that runs
+    out costs the compiles, not the eager figures."""
+    from hf_asymkv.bench.gpu_runs import GPU_SCHEMES
+
+    batch1 = [(1, c) for c in args.contexts]
+    compiled_batch1 = batch1 if args.compiled_contexts is None else [(1, c) for c in args.compiled_contexts]
+    long_batch = tuple(args.long_batch)
+    plan = [(n, b, c) for b, c in batch1 + [long_batch] for n in schemes if not GPU_SCHEMES[n].compiled]
+    return plan + [(n, b, c) for b, c in compiled_batch1 + [long_batch] for n in schemes if GPU_SCHEMES[n].compiled]
+
+
+def _write(args: argparse.Namespace, meta: dict, parts: dict, final: bool) -> dict:
+    """Derive the tables from the rows measured so far and write the report (atomically: a run cut short leaves the
+    last complete report, marked partial); print it when ``final``."""
+    from hf_asymkv.bench import gpu_report
+
+    bandwidth = args.bandwidth_tbps * 1e12
+    decode = gpu_report.with_ceilings(parts["decode"], meta["weight_bytes"], bandwidth)
+    attention = gpu_report.attention_table(parts["attention"], bandwidth)
+    fit = gpu_report.fit_rows(decode, meta["model"]["layers"], args.full_layers, args.budget_gib * 2**30)
     goals = gpu_report.goal_rows(decode, attention, max(args.contexts), tuple(args.long_batch))
-    report = {"meta": meta, "update_cost": flush, "kernel_check": checks, "attention": attention, "decode": decode,
-              "fit": fit, "goals": goals}
-    markdown = gpu_report.markdown_report(meta, flush, checks, attention, decode, fit, goals)
-    print(markdown)
-    for path in gpu_report.write_report(args.out, report, markdown):
-        print(f"wrote {path}")
+    meta = {**meta, "complete": final}
+    report = {"meta": meta, "update_cost": parts["update_cost"], "kernel_check": parts["kernel_check"],
+              "attention": attention, "decode": decode, "fit": fit, "goals": goals}
+    markdown = gpu_report.markdown_report(meta, parts["update_cost"], parts["kernel_check"], attention, decode, fit,
+                                          goals)
+    paths = gpu_report.write_report(args.out, report, markdown)
+    if final:
+        print(markdown)
+        for path in paths:
+            print(f"wrote {path}")
     return report
 
 
@@ -151,7 +191,8 @@ def _meta(args: argparse.Namespace, shapes, model, device) -> dict:
             "bandwidth_tbps": args.bandwidth_tbps, "torch": torch.__version__, "triton": triton_version(),
             "transformers": transformers.__version__, "model": dataclasses.asdict(shapes), "dtype": str(model.dtype),
             "weight_bytes": weight_bytes(model), "steps": args.steps, "warmup": args.warmup,
-            "budget_gib": args.budget_gib, "full_layers": args.full_layers}
+            "budget_gib": args.budget_gib, "full_layers": args.full_layers, "time_budget_s": args.time_budget,
+            "compiled_contexts": args.compiled_contexts or args.contexts}
 
 
 if __name__ == "__main__":

@@ -128,6 +128,8 @@ def markdown_report(meta: dict, update_cost: list[dict], checks: list[dict], att
                     decode: list[dict], fit: list[dict], goals: list[dict]) -> str:
     """The whole report as markdown: setup, update cost, kernel check, attention alone, decode, fit, goals."""
     dry = " (dry run: CPU, Triton interpreter, tiny shapes: no time means anything)" if meta["dry_run"] else ""
+    if meta.get("complete") is False:
+        dry += " (partial: the rows measured before the run stopped)"
     out = [f"# GPU check{dry}", "", "```", json.dumps(meta, indent=1), "```", "",
            "## Cache update, one layer and one token (device-independent counts)", "",
            "| preset | step | torch ops (launches) | host syncs |", "|---|---|---:|---:|"]

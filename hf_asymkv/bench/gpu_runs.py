@@ -92,6 +92,8 @@ GPU_SCHEMES: dict[str, GPUScheme] = {
                                           "asymkv-balanced-static-compiled", compiled=True),
     "balanced-static-fused-compiled": GPUScheme("ours, balanced, static cache, attention over the codes, torch.compile",
                                                 "asymkv-balanced-static-fused-compiled", compiled=True),
+    "compact-static-fused-compiled": GPUScheme("ours, compact, static cache, attention over the codes, torch.compile",
+                                               "asymkv-compact-static-fused-compiled", compiled=True),
     "hf-static-compiled": GPUScheme("transformers StaticCache (bf16 K/V), torch.compile", "hf-static-compiled",
                                     compiled=True),
 }

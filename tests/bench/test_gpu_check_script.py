@@ -34,7 +34,7 @@ def test_dry_run_writes_the_report(tmp_path):
     assert {(r["batch"], r["context"]) for r in report["decode"]} == {(1, 200), (2, 200)}
     assert [r["impl"] for r in report["attention"]] == ["sdpa-bf16", "triton-balanced", "triton-compact", "triton-max"]
     assert len(report["kernel_check"]) == 6 and all(c["sqnr_db"] >= 60 for c in report["kernel_check"])
-    assert report["goals"] and report["fit"]
+    assert report["goals"] and report["fit"] and report["meta"]["complete"] is True
     steps = {(u["preset"], u["step"]) for u in report["update_cost"]}
     assert ("max", "flush") in steps and ("max", "no flush") in steps
     assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check (dry run")
@@ -46,12 +46,24 @@ def test_dry_run_writes_the_report(tmp_path):
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["--bandwidth-tbps", "0"], "--bandwidth-tbps must be > 0, got 0.0"),
     (["--budget-gib", "-5"], "--budget-gib must be > 0, got -5.0"),
-], ids=["zero-context", "zero-batch-context", "negative-warmup", "zero-bandwidth", "negative-budget"])
+    (["--time-budget", "0"], "--time-budget must be > 0, got 0.0"),
+    (["--compiled-contexts", "0"], "--compiled-contexts must be >= 1, got [0]"),
+], ids=["zero-context", "zero-batch-context", "negative-warmup", "zero-bandwidth", "negative-budget", "zero-time-budget",
+        "zero-compiled-context"])
 def test_bad_flags_exit_2(gpu_check, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         gpu_check.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_decode_plan_runs_eager_schemes_before_the_compiles(gpu_check):
+    args = gpu_check.parse_args(["--contexts", "8192", "32768", "--compiled-contexts", "32768", "--long-batch", "8",
+                                 "32768"])
+    plan = gpu_check.decode_plan(args, ["hf-static-compiled", "dynamic", "balanced-triton"])
+    assert plan == [("dynamic", 1, 8192), ("balanced-triton", 1, 8192), ("dynamic", 1, 32768),
+                    ("balanced-triton", 1, 32768), ("dynamic", 8, 32768), ("balanced-triton", 8, 32768),
+                    ("hf-static-compiled", 1, 32768), ("hf-static-compiled", 8, 32768)]
 
 
 def test_unknown_scheme_is_named(gpu_check):
