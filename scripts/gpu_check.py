@@ -46,6 +46,8 @@ OUT = Path(__file__).resolve().parents[1] / "results" / "gpu"
 # 64-token window), one step
 DRY = dict(contexts=[200], long_batch=[2, 200], steps=1, warmup=1, layers=2, attention_context=256,
            attention_batches=[2], iters=1)
+PARTS = ("update", "check", "attention", "decode", "tune", "profile")
+DEFAULT_PARTS = ("update", "check", "attention", "decode")
 CHECK_CONTEXT = 4096  # context of the kernel-vs-torch agreement check (at most the attention context)
 
 
@@ -68,12 +70,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="batch-1 contexts for the compiled schemes (default: --contexts; each is a new compile)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no decode row after this many seconds (those rows say so); the report is still written")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                   help=f"comma-separated parts to run, of {','.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})")
+    p.add_argument("--tune-batches", type=int, nargs="+", default=[1, 8], help="batches of the launch-setting sweep")
+    p.add_argument("--profile-schemes", nargs="+", default=["dynamic", "balanced-dense", "balanced-triton"],
+                   help="schemes whose decode steps are profiled (batch 1, the middle of --contexts)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     if args.dry_run:
         for name, value in DRY.items():
             if getattr(args, name) == globals()[name.upper()]:
                 setattr(args, name, value)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     _check(p, args)
     return args
 
@@ -86,6 +94,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag, value, minimum in least:
         if min(value if isinstance(value, list) else [value]) < minimum:
             p.error(f"{flag} must be >= {minimum}, got {value}")
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        p.error(f"--parts: unknown or no parts {unknown}; known: {','.join(PARTS)}")
     positive = [("--bandwidth-tbps", args.bandwidth_tbps), ("--budget-gib", args.budget_gib)]
     if args.time_budget is not None:
         positive.append(("--time-budget", args.time_budget))
@@ -126,15 +137,35 @@ def run(args: argparse.Namespace, schemes: list[str]) -> dict:
     model = gpu_runs.build_model(shapes, torch.float32 if args.dry_run else torch.bfloat16, device)
     meta = _meta(args, shapes, model, device)
     print(f"model: {shapes}, weights read per step {meta['weight_bytes'] / 2**30:.2f} GiB", flush=True)
-    parts = {"update_cost": op_count.flush_cost_rows(model, list(PRESETS_ALL)), "kernel_check": [], "attention": [],
-             "decode": []}
-    parts["kernel_check"] = gpu_attention.kernel_check_rows(model, PRESETS, 2, min(CHECK_CONTEXT, args.attention_context))
-    _write(args, meta, parts, final=False)
-    for batch in args.attention_batches:
+    run_part = set(args.parts).__contains__
+    deadline = None if args.time_budget is None else started + args.time_budget
+    parts = {"update_cost": [], "kernel_check": [], "attention": [], "decode": [], "tune": [], "profile": []}
+    if run_part("update"):
+        parts["update_cost"] = op_count.flush_cost_rows(model, list(PRESETS_ALL))
+    if run_part("check"):
+        parts["kernel_check"] = gpu_attention.kernel_check_rows(model, PRESETS, 2,
+                                                                min(CHECK_CONTEXT, args.attention_context))
+        _write(args, meta, parts, final=False)
+    for batch in args.attention_batches if run_part("attention") else []:
         parts["attention"] += gpu_attention.attention_rows(model, PRESETS, batch, args.attention_context, args.iters)
-    _write(args, meta, parts, final=False)
-    for name, batch, context in decode_plan(args, schemes):
-        if args.time_budget is not None and time.monotonic() - started > args.time_budget:
+        _write(args, meta, parts, final=False)
+    if run_part("tune"):
+        from hf_asymkv.bench import gpu_tune
+
+        parts["tune"] = gpu_tune.launch_rows(model, PRESETS, args.tune_batches, args.attention_context, args.iters,
+                                             [model.dtype], deadline)
+        if model.dtype != torch.float32:  # float32 needs twice the shared memory: which settings fit
+            parts["tune"] += gpu_tune.launch_rows(model, PRESETS[:1], args.tune_batches[:1], args.attention_context,
+                                                  args.iters, [torch.float32], deadline)
+        _write(args, meta, parts, final=False)
+    if run_part("profile"):
+        from hf_asymkv.bench import gpu_tune
+
+        context = sorted(args.contexts)[len(args.contexts) // 2]
+        parts["profile"] = gpu_tune.profile_rows(model, args.profile_schemes, 1, context)
+        _write(args, meta, parts, final=False)
+    for name, batch, context in decode_plan(args, schemes) if run_part("decode") else []:
+        if deadline is not None and time.monotonic() > deadline:
             row = gpu_runs.DecodeRow(name, batch, context, status=f"skipped: --time-budget {args.time_budget:g} s spent")
         else:
             row = gpu_runs.decode_row(model, name, batch, context, args.steps, args.warmup)
@@ -169,9 +200,14 @@ def _write(args: argparse.Namespace, meta: dict, parts: dict, final: bool) -> di
     goals = gpu_report.goal_rows(decode, attention, max(args.contexts), tuple(args.long_batch))
     meta = {**meta, "complete": final}
     report = {"meta": meta, "update_cost": parts["update_cost"], "kernel_check": parts["kernel_check"],
-              "attention": attention, "decode": decode, "fit": fit, "goals": goals}
+              "attention": attention, "decode": decode, "fit": fit, "goals": goals, "tune": parts["tune"],
+              "profile": parts["profile"]}
     markdown = gpu_report.markdown_report(meta, parts["update_cost"], parts["kernel_check"], attention, decode, fit,
                                           goals)
+    if parts["tune"] or parts["profile"]:
+        from hf_asymkv.bench.gpu_tune import markdown as tune_markdown
+
+        markdown += "\n" + tune_markdown(parts["tune"], parts["profile"])
     paths = gpu_report.write_report(args.out, report, markdown)
     if final:
         print(markdown)
@@ -192,7 +228,7 @@ def _meta(args: argparse.Namespace, shapes, model, device) -> dict:
             "transformers": transformers.__version__, "model": dataclasses.asdict(shapes), "dtype": str(model.dtype),
             "weight_bytes": weight_bytes(model), "steps": args.steps, "warmup": args.warmup,
             "budget_gib": args.budget_gib, "full_layers": args.full_layers, "time_budget_s": args.time_budget,
-            "compiled_contexts": args.compiled_contexts or args.contexts}
+            "compiled_contexts": args.compiled_contexts or args.contexts, "parts": args.parts}
 
 
 if __name__ == "__main__":

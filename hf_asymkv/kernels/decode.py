@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
 from .regions import (
     MAX_EXACT_SEGMENTS,
+    MIN_TILE,
     ExactSegment,
     QuantizedRegion,
     StoredCodes,
@@ -37,7 +39,7 @@ from .triton_decode import (
     partial_attention_kernel,
 )
 
-__all__ = ["decode_attention", "launch_decode_attention"]
+__all__ = ["LaunchConfig", "decode_attention", "launch_decode_attention"]
 
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
 INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
@@ -76,9 +78,11 @@ def decode_attention(query: torch.Tensor, scaling: float, *, quantized: Quantize
 
 def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None,
                             exact: tuple[ExactSegment, ...], attention_mask: torch.Tensor | None = None,
-                            kv_len: int | None = None, tiles_per_split: int | None = None) -> torch.Tensor:
+                            kv_len: int | None = None, tiles_per_split: int | None = None,
+                            launch: LaunchConfig | None = None) -> torch.Tensor:
     """:func:`decode_attention` for a request :func:`~hf_asymkv.kernels.regions.unsupported` has passed already
-    (the core's glue checks once per call, to choose the backend): no second check on the decode step's path."""
+    (the core's glue checks once per call, to choose the backend): no second check on the decode step's path.
+    ``launch`` overrides the launch settings (warps, pipeline stages, tile, programs per SM): for tuning."""
     segments = tuple(seg for seg in exact if seg.tokens)
     quantized = quantized if quantized is not None and quantized.tokens else None
     regions = ([quantized] if quantized is not None else []) + list(segments)
@@ -88,16 +92,18 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     heads = (quantized.keys.codes if quantized is not None else segments[0].keys).shape[1]
     rows = hq // heads * q_len
     kv_len = max(r.start + r.tokens for r in regions) if kv_len is None else kv_len
-    tile = tile_tokens(quantized)
+    launch = launch or LaunchConfig()
+    tile = launch.tile_for(quantized)
     counts = [-(-r.tokens // tile) for r in regions]
     if tiles_per_split is None:
-        tiles_per_split = max(1, -(-sum(counts) * b * heads // _target_programs(query.device)))
+        tiles_per_split = max(1, -(-sum(counts) * b * heads // _target_programs(query.device, launch)))
     splits = [-(-c // tiles_per_split) for c in counts]
     n_splits = sum(splits)
     acc = torch.empty(b * heads, n_splits, rows, head_dim, dtype=torch.float32, device=query.device)
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
     d_pad, r_pad = _pow2(head_dim), _pow2(rows)
-    num_warps = 4 if d_pad * r_pad <= 4096 else 8
+    num_warps = launch.num_warps or (4 if d_pad * r_pad <= 4096 else 8)
+    stages = {} if launch.num_stages is None else {"num_stages": launch.num_stages}
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
@@ -110,7 +116,7 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
         tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e),
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
-        num_warps=num_warps, **constants)
+        num_warps=num_warps, **stages, **constants)
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
     rotated = has_quant and quantized.values.rotated
     block = head_dim & -head_dim
@@ -119,6 +125,25 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
         1 / math.sqrt(block), HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, LOG2_BLOCK=block.bit_length() - 1,
         ROTATED=rotated, num_warps=num_warps)
     return out
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings of the partial-attention kernel; None keeps the default (what the launcher picks)."""
+
+    num_warps: int | None = None  # default: 4, or 8 for more than 4096 query rows x channels
+    num_stages: int | None = None  # software-pipeline depth; default: Triton's
+    tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
+    programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
+
+    def tile_for(self, quantized: QuantizedRegion | None) -> int:
+        """Tokens per tile for ``quantized``: the default, or the override if it fits a key scale group."""
+        default = tile_tokens(quantized)
+        if self.tile is None:
+            return default
+        if self.tile < MIN_TILE or self.tile & (self.tile - 1) or default % self.tile:
+            raise ValueError(f"tile of {self.tile} tokens: a power of two >= {MIN_TILE} dividing {default} expected.")
+        return self.tile
 
 
 def _pow2(n: int) -> int:
@@ -136,8 +161,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
-    return PROGRAMS_PER_SM * _sm_count(device) if device.type == "cuda" else INTERPRETER_PROGRAMS
+def _target_programs(device: torch.device, launch: LaunchConfig) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return (launch.programs_per_sm or PROGRAMS_PER_SM) * _sm_count(device)
 
 
 def _mask_args(mask: torch.Tensor | None, q_len: int, hq: int, fallback: torch.Tensor, start: int
