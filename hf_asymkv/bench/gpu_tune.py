@@ -163,7 +163,7 @@ def markdown(tune: list[dict], profiles: list[dict]) -> str:
                        f"{cfg['num_warps'] or '-'} | {cfg['num_stages'] or '-'} | {cfg['tile'] or '-'} | "
                        f"{cfg['programs_per_sm'] or '-'} |")
         failed = sorted({(r["preset"], r["dtype"], r["num_warps"], r["num_stages"], r["tile"], r["status"])
-                         for r in tune if r.get("status", "").startswith("failed")})
+                         for r in tune if r.get("status", "").startswith("failed")}, key=str)
         out += ["", f"Settings that failed: {len(failed)}"] + [f"- {f}" for f in failed[:20]] + [""]
     for p in profiles:
         out += [f"## Profile: {p['scheme']} (batch {p['batch']}, context {p['context']}, "
