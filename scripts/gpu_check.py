@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"comma-separated parts to run, of {','.join(PARTS)} (default: {','.join(DEFAULT_PARTS)})")
     p.add_argument("--tune-batches", type=int, nargs="+", default=[1, 8], help="batches of the launch-setting sweep")
-    p.add_argument("--profile-schemes", nargs="+", default=["dynamic", "balanced-dense", "balanced-triton"],
+    p.add_argument("--profile-schemes", nargs="+", default=["dynamic", "dynamic-flash", "balanced-dense", "balanced-triton"],
                    help="schemes whose decode steps are profiled (batch 1, the middle of --contexts)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)

@@ -39,7 +39,7 @@ def with_ceilings(rows: list[dict], weight_bytes: int, bandwidth: float) -> list
 def attention_table(rows: list[dict], bandwidth: float) -> list[dict]:
     """Attention rows with the time used (CUDA-graph replay when measured, else the eager loop), its ceiling,
     bandwidth fraction and the speed-up over ``sdpa-bf16`` (and that speed-up's ceiling, the bytes ratio)."""
-    sdpa = next((r for r in rows if r["impl"] == "sdpa-bf16"), None)
+    sdpas = {(r["batch"], r["context"]): r for r in rows if r["impl"] == "sdpa-bf16" and "status" not in r}
     out = []
     for r in rows:
         r = dict(r)
@@ -49,6 +49,7 @@ def attention_table(rows: list[dict], bandwidth: float) -> list[dict]:
         r["us"] = r["graph_us"] if r.get("graph_us") is not None else r["eager_us"]
         r["ceiling_us"] = r["bytes"] / bandwidth * 1e6
         r["bandwidth_fraction"] = r["ceiling_us"] / r["us"]
+        sdpa = sdpas.get((r["batch"], r["context"]))  # the SDPA row of the same batch and context
         if sdpa is not None:
             sdpa_us = sdpa["graph_us"] if sdpa.get("graph_us") is not None else sdpa["eager_us"]
             r["x_sdpa"], r["ceiling_x_sdpa"] = sdpa_us / r["us"], sdpa["bytes"] / r["bytes"]

@@ -24,7 +24,8 @@ from .memory import cache_nbytes
 from .schemes import make_cache, scheme_attention
 
 __all__ = ["DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
-           "attention_backend_env", "build_model", "compiled_forward", "decode_row", "timed_seconds", "weight_bytes"]
+           "attention_backend_env", "build_model", "compiled_forward", "decode_row", "sdpa_backends", "timed_seconds",
+           "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -70,17 +71,23 @@ def weight_bytes(model) -> int:
 @dataclass(frozen=True)
 class GPUScheme:
     """A cache and the attention it runs with. ``bench_scheme`` names the cache in :mod:`.schemes`; ``backend``
-    is ``HF_ASYMKV_ATTENTION_BACKEND`` while it runs; ``needs`` a module that must be importable."""
+    is ``HF_ASYMKV_ATTENTION_BACKEND`` while it runs; ``needs`` a module that must be importable; ``flash_sdpa``
+    keeps SDPA off cuDNN (flash and memory-efficient kernels only)."""
 
     label: str
     bench_scheme: str | None
     backend: str | None = None
     needs: str | None = None
     compiled: bool = False
+    flash_sdpa: bool = False
 
 
 GPU_SCHEMES: dict[str, GPUScheme] = {
     "dynamic": GPUScheme("DynamicCache + SDPA (bf16 K/V)", "dynamic"),
+    # on the H200 image (torch 2.11) SDPA picked cuDNN, whose host time was 70 ms of a 76 ms DynamicCache step
+    # (results/gpu/h200_tune); this row is the same cache with that backend excluded
+    "dynamic-flash": GPUScheme("DynamicCache + SDPA, flash/efficient kernels only (bf16 K/V)", "dynamic",
+                               flash_sdpa=True),
     "hf-quanto-int4": GPUScheme("transformers QuantizedCache, quanto int4", "hf-quanto-int4", needs="optimum.quanto"),
     "hf-hqq-int4": GPUScheme("transformers QuantizedCache, HQQ int4", None, needs="hqq"),
     "balanced-dense": GPUScheme("ours, balanced, dense read-out + SDPA", "asymkv-balanced"),
@@ -112,6 +119,16 @@ def attention_backend_env(value: str | None) -> Iterator[None]:
             os.environ.pop(ENV_VAR, None)
         else:
             os.environ[ENV_VAR] = before
+
+
+def sdpa_backends(flash_only: bool):
+    """``torch.nn.attention.sdpa_kernel`` limited to the flash and memory-efficient kernels when ``flash_only``
+    (the math kernel stays as the fallback for what they refuse), else a no-op."""
+    if not flash_only:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _importable(module: str) -> bool:
@@ -190,7 +207,8 @@ def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: i
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend):
+        with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
+                sdpa_backends(scheme.flash_sdpa):
             cache = _make_cache(name, model, context + warmup + steps + 1)
             forward = compiled_forward(model) if scheme.compiled else model
             prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),

@@ -19,7 +19,7 @@ from ..core.attention import fused_attention
 from ..core.backend import kernel_regions
 from ..core.quant import sqnr_db
 from .gpu_attention import _graph_seconds, _quantized_kv
-from .gpu_runs import GPU_SCHEMES, _make_cache, attention_backend_env, cache_kwargs, timed_seconds
+from .gpu_runs import GPU_SCHEMES, _make_cache, attention_backend_env, cache_kwargs, sdpa_backends, timed_seconds
 from .schemes import scheme_attention
 
 __all__ = ["GRID", "launch_rows", "profile_rows"]
@@ -115,7 +115,8 @@ def profile_rows(model, names: list[str], batch: int, context: int, steps: int =
         scheme = GPU_SCHEMES[name]
         row = {"scheme": name, "batch": batch, "context": context}
         try:
-            with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend):
+            with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
+                    sdpa_backends(scheme.flash_sdpa):
                 row["attn_implementation"] = model.config._attn_implementation
                 cache = _make_cache(name, model, context + 64)
                 token = model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)

@@ -42,6 +42,10 @@ from .triton_decode import (
 __all__ = ["LaunchConfig", "decode_attention", "launch_decode_attention"]
 
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
+# Measured on one H200 (results/gpu/h200_tune, docs/gpu.md): with Triton's default of 3 pipeline stages the
+# 64-token tile of float32 queries needs 264 KiB of shared memory (the card has 227) and bf16 runs 1.2-1.9x slower
+# than the best of the sweep; 1 stage was fastest for 64-token tiles, 2 for 32-token tiles, both fit float32.
+_STAGES_BY_TILE = {64: 1, 32: 2}
 INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -103,7 +107,7 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
     d_pad, r_pad = _pow2(head_dim), _pow2(rows)
     num_warps = launch.num_warps or (4 if d_pad * r_pad <= 4096 else 8)
-    stages = {} if launch.num_stages is None else {"num_stages": launch.num_stages}
+    stages = launch.num_stages or pipeline_stages(tile)
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
@@ -116,7 +120,7 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
         tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e),
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
-        num_warps=num_warps, **stages, **constants)
+        num_warps=num_warps, num_stages=stages, **constants)
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
     rotated = has_quant and quantized.values.rotated
     block = head_dim & -head_dim
@@ -132,7 +136,7 @@ class LaunchConfig:
     """Launch settings of the partial-attention kernel; None keeps the default (what the launcher picks)."""
 
     num_warps: int | None = None  # default: 4, or 8 for more than 4096 query rows x channels
-    num_stages: int | None = None  # software-pipeline depth; default: Triton's
+    num_stages: int | None = None  # software-pipeline depth; default: pipeline_stages(tile)
     tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
 
@@ -144,6 +148,12 @@ class LaunchConfig:
         if self.tile < MIN_TILE or self.tile & (self.tile - 1) or default % self.tile:
             raise ValueError(f"tile of {self.tile} tokens: a power of two >= {MIN_TILE} dividing {default} expected.")
         return self.tile
+
+
+def pipeline_stages(tile: int) -> int:
+    """Software-pipeline depth of the partial-attention kernel for ``tile`` tokens per tile (see _STAGES_BY_TILE;
+    16-token tiles, not measured, take the 32-token setting)."""
+    return _STAGES_BY_TILE.get(tile, 2)
 
 
 def _pow2(n: int) -> int:

@@ -29,7 +29,7 @@ def test_dry_run_writes_the_report(tmp_path):
                    capture_output=True, text=True, env=env)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     ran = {r["scheme"] for r in report["decode"] if r["status"] == "ok"}
-    assert {"dynamic", "balanced-dense", "balanced-triton", "compact-triton", "max-triton",
+    assert {"dynamic", "dynamic-flash", "balanced-dense", "balanced-triton", "compact-triton", "max-triton",
             "balanced-static-compiled", "balanced-static-fused-compiled", "hf-static-compiled"} <= ran
     assert {(r["batch"], r["context"]) for r in report["decode"]} == {(1, 200), (2, 200)}
     assert [r["impl"] for r in report["attention"]] == ["sdpa-bf16", "triton-balanced", "triton-compact", "triton-max"]

@@ -11,7 +11,7 @@ import torch
 from kernel_cases import PAD, build, formats, padded_causal_mask, reference, specs, stored
 
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
-from hf_asymkv.kernels.decode import decode_attention
+from hf_asymkv.kernels.decode import LaunchConfig, decode_attention, launch_decode_attention, pipeline_stages
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
 FLOAT32_DB = 60.0
@@ -21,14 +21,19 @@ NAMES = list(FORMATS)
 
 
 def _attend(key_spec: QuantSpec, value_spec: QuantSpec, block: int, *, n_rep=3, q_len=5, head_dim=64,
-            dtype=torch.float32, tiles_per_split=None, seed=0, **shape) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype=torch.float32, tiles_per_split=None, seed=0, launch=None, **shape
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kernel output, float64 reference)`` for a left-padded batch of 2 with a causal mask."""
     region, segments, k, v = build(key_spec, value_spec, block, head_dim=head_dim, dtype=dtype, seed=seed, **shape)
     g = torch.Generator().manual_seed(seed + 1)
     query = torch.randn(2, k.shape[1] * n_rep, q_len, head_dim, generator=g).to(dtype)
     mask = padded_causal_mask(2, q_len, k.shape[2])
-    out = decode_attention(query, head_dim**-0.5, quantized=region, exact=segments, attention_mask=mask,
-                           tiles_per_split=tiles_per_split)
+    if launch is None:
+        out = decode_attention(query, head_dim**-0.5, quantized=region, exact=segments, attention_mask=mask,
+                               tiles_per_split=tiles_per_split)
+    else:
+        out = launch_decode_attention(query, head_dim**-0.5, quantized=region, exact=tuple(segments),
+                                      attention_mask=mask, tiles_per_split=tiles_per_split, launch=launch)
     assert out.shape == (2, q_len, k.shape[1] * n_rep, head_dim) and out.dtype == dtype
     return out, reference(query, k, v, mask, head_dim**-0.5)
 
@@ -72,6 +77,31 @@ LENGTHS = {
 def test_lengths_and_splits(name, lengths, tiles_per_split):
     out, ref = _preset(name, tiles_per_split=tiles_per_split, **LENGTHS[lengths])
     assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+LAUNCHES = {"half-tiles": LaunchConfig(tile=32), "eight-warps-3-stages": LaunchConfig(num_warps=8, num_stages=3),
+            "sixteen-token-tiles-2-per-sm": LaunchConfig(tile=16, programs_per_sm=2)}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
+@pytest.mark.parametrize("name", ["balanced", "compact"])
+def test_launch_overrides_give_the_same_attention(name, launch):
+    # a tile smaller than the key scale group still folds one scale per tile; warps, stages and splits change
+    # nothing the kernel computes (gpu_check.py --parts tune sweeps them on a GPU)
+    out, ref = _preset(name, launch=LAUNCHES[launch], **LENGTHS["partial-tile"])
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+@pytest.mark.parametrize("tile", [48, 128, 8], ids=["not-a-power-of-two", "wider-than-the-group", "below-16"])
+def test_a_tile_that_does_not_fit_the_key_group_is_refused(tile):
+    with pytest.raises(ValueError, match=f"tile of {tile} tokens: a power of two >= 16 dividing 64 expected"):
+        _preset("balanced", launch=LaunchConfig(tile=tile))
+
+
+def test_pipeline_stages_follow_the_h200_sweep():
+    # results/gpu/h200_tune: 1 stage fastest for 64-token tiles, 2 for 32; Triton's default 3 ran float32 out of
+    # shared memory with 64-token tiles
+    assert [pipeline_stages(t) for t in (64, 32, 16)] == [1, 2, 2]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
