@@ -19,7 +19,10 @@ decoding does: it ages out of the exact window into quantized blocks, and later 
   differs from full precision's. Up to that step the teacher-forced inputs *are* the tokens the scheme would
   have generated itself, so this is the common prefix of the scheme's own greedy generation and full
   precision's (a test holds it to ``generate``); the run stops at the first difference. The first generated
-  token comes from the prefill, which every cache returns exactly, so it is not counted.
+  token comes from the prefill, which every cache returns exactly, so it is not counted. Each difference comes
+  with full precision's own **margin** there: its top-1 minus top-2 log-probability (nats). A margin near 0 is a
+  near-tie any perturbation can flip (the cache's damage is then small, whatever the agreement count); a large
+  one is a choice the cache really changed.
 
 Why natural text for the prompt: the continuation of a long document depends on its context (names, topics and
 code thousands of tokens back), it needs no chat template (base and instruct models alike), and the built-in
@@ -59,6 +62,8 @@ class LongDecodeRow:
     steps: int  # teacher-forced steps per prompt
     kl: list[float] = field(default_factory=list)  # per step, mean over prompts
     entropy: list[float] = field(default_factory=list)  # the scheme's next-token entropy per segment, nats
+    margins: list[float | None] = field(default_factory=list)  # per prompt: full precision's top-1 - top-2
+    # log-probability (nats) at the first difference; None where the scheme agreed all the way
 
     @property
     def kl_mean(self) -> float:
@@ -78,6 +83,16 @@ class LongDecodeRow:
 def segment_means(values: list[float], segment: int = SEGMENT) -> list[float]:
     """Means of consecutive ``segment``-long slices of ``values`` (the last one may be shorter)."""
     return [sum(values[i : i + segment]) / len(values[i : i + segment]) for i in range(0, len(values), segment)]
+
+
+def _margin(logits: torch.Tensor, banned: list[int]) -> float:
+    """Top-1 minus top-2 log-probability of ``logits`` (``[vocab]``), the ``banned`` ids left out: nats."""
+    logp = logits.float().log_softmax(-1)
+    if banned:
+        logp = logp.clone()
+        logp[banned] = -math.inf
+    top = logp.topk(2).values
+    return float(top[0] - top[1])
 
 
 def _choose(logits: torch.Tensor, banned: list[int], generator: torch.Generator | None = None) -> int:
@@ -100,19 +115,21 @@ def _step(model, cache, token: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _continuation(model, prefilled, logits: torch.Tensor, steps: int, banned: list[int],
-                  generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+                  generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | list[float]]:
     """Full precision's continuation of a prefill whose last logits are ``logits``: the ``steps + 1`` tokens it
     chooses (greedy, or sampled with ``generator``) and, when sampled, the log-probabilities ``[steps, vocab]``
-    (float32) of each step's next token (``None`` when greedy: only the tokens are compared). Step ``i`` feeds
-    token ``i`` and predicts token ``i + 1``."""
+    (float32) of each step's next token; when greedy, each step's margin (:func:`_margin`, ``steps`` floats)
+    instead. Step ``i`` feeds token ``i`` and predicts token ``i + 1``."""
     cache = cache_from_prefix(make_cache("dynamic", model.config), prefilled)  # a copy: prefilled stays the prefix
-    tokens, logps = [_choose(logits, banned, generator)], []
+    tokens, logps, margins = [_choose(logits, banned, generator)], [], []
     for _ in range(steps):
         logits = _step(model, cache, tokens[-1])
         if generator is not None:
             logps.append(logits.log_softmax(-1))
+        else:
+            margins.append(_margin(logits, banned))
         tokens.append(_choose(logits, banned, generator))
-    return tokens, torch.stack(logps) if logps else None
+    return tokens, torch.stack(logps) if generator is not None else margins
 
 
 @torch.no_grad()
@@ -141,23 +158,24 @@ def _greedy_agreement(model, cache, tokens: list[int], banned: list[int]) -> int
 
 def _one_prompt(model, ids: torch.Tensor, schemes: list[str], steps: int, seed: int, show_progress: bool,
                 tick: Callable[[str], None] | None = None) -> dict:
-    """``{scheme: (kl, same as full, entropy: per step; greedy agreement)}`` for one prompt ``[1, T]``."""
+    """``{scheme: (kl, same as full, entropy: per step; greedy agreement; full precision's margin at the first
+    difference, or None)}`` for one prompt ``[1, T]``."""
     banned = sorted(eos_ids(model))
     prefilled = make_cache("dynamic", model.config)
     with torch.no_grad():
         logits = model(input_ids=ids, **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1).logits[0, -1]
     logits = logits.float()
     sampled, ref_logp = _continuation(model, prefilled, logits, steps, banned, torch.Generator().manual_seed(seed))
-    greedy, _ = _continuation(model, prefilled, logits, steps, banned)
+    greedy, margins = _continuation(model, prefilled, logits, steps, banned)
     entropy = (-(ref_logp.exp() * ref_logp).sum(-1)).tolist()
-    out = {schemes[0]: ([0.0] * steps, [True] * steps, entropy, steps)}  # the reference itself
+    out = {schemes[0]: ([0.0] * steps, [True] * steps, entropy, steps, None)}  # the reference itself
     for name in progress(schemes[1:], desc="long-decode schemes", enabled=show_progress):
         with scheme_attention(model, name):
             forced = _teacher_force(model, cache_from_prefix(make_cache(name, model.config), prefilled), sampled,
                                     ref_logp, banned)
             agreement = _greedy_agreement(model, cache_from_prefix(make_cache(name, model.config), prefilled),
                                           greedy, banned)
-        out[name] = (*forced, agreement)
+        out[name] = (*forced, agreement, margins[agreement] if agreement < steps else None)
         if tick:
             tick(f"long decode, {name} ({len(out)}/{len(schemes)})")
     return out
@@ -207,12 +225,12 @@ def run_long_decode(model, tokenizer, schemes: list[str], text: str, prompt_leng
                                       tick))
     rows = []
     for name in schemes:
-        kl, same, entropy, agreement = ([p[name][part] for p in per_prompt] for part in range(4))
+        kl, same, entropy, agreement, margin = ([p[name][part] for p in per_prompt] for part in range(5))
         kl_mean = [sum(values) / prompts for values in zip(*kl)]
         entropy_mean = [sum(values) / prompts for values in zip(*entropy)]
         same_all = [s for flags in same for s in flags]
         rows.append(LongDecodeRow(name, segment_means(kl_mean, segment), agreement, sum(same_all) / len(same_all),
-                                  steps, kl_mean, segment_means(entropy_mean, segment)))
+                                  steps, kl_mean, segment_means(entropy_mean, segment), margin))
     return rows
 
 
@@ -231,15 +249,17 @@ def long_decode_markdown(rows: list[LongDecodeRow], segment: int = SEGMENT, skip
     for r in rows:
         growth = "-" if math.isnan(r.growth) else f"{r.growth:.2f}"
         lines.append(f"| {r.scheme} | " + " | ".join(_fmt(x) for x in r.segments) + f" | {growth} |")
-    agree = ["| scheme | greedy agreement per prompt (of {}) | mean | top-1 = full, all steps | mean KL |".format(
-        rows[0].steps), "|---|---:|---:|---:|---:|"]
+    agree = ["| scheme | greedy agreement per prompt (of {}) | full precision's margin there (nats) | mean | "
+             "top-1 = full, all steps | mean KL |".format(rows[0].steps), "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        agree.append(f"| {r.scheme} | {', '.join(map(str, r.agreement))} | {r.agreement_mean:.1f} | "
+        margins = ", ".join("-" if m is None else f"{m:.3f}" for m in r.margins) if r.margins else "-"
+        agree.append(f"| {r.scheme} | {', '.join(map(str, r.agreement))} | {margins} | {r.agreement_mean:.1f} | "
                      f"{100 * r.top1:.1f}% | {_fmt(r.kl_mean)} |")
     title = f"Long decode: KL(full || scheme) of each step's next token, mean per {segment}-step segment (nats)"
     entropy = ", ".join(f"{e:.2f}" for e in rows[0].entropy)
     text = title + "\n\n" + "\n".join(lines) + f"\n\nFull precision's next-token entropy per segment (nats): " \
-        f"{entropy}\n\nGreedy agreement: steps before the first token that differs from full precision\n\n" \
+        f"{entropy}\n\nGreedy agreement: steps before the first token that differs from full precision, and full " \
+        f"precision's top-1 minus top-2 log-probability at that step (near 0: a near-tie)\n\n" \
         + "\n".join(agree)
     if skipped:
         text += "\n\nNot run on this model: " + "; ".join(f"`{s}` ({why})" for s, why in skipped.items())

@@ -14,6 +14,7 @@ from helpers import LOCAL_TEXT, char_tokenizer
 from hf_asymkv import cache_kwargs
 from hf_asymkv.bench.schemes import make_cache
 from hf_asymkv.cli import main
+from hf_asymkv.evals.evaluate import eos_ids
 from hf_asymkv.evals.long_decode import long_decode_markdown, run_long_decode, segment_means
 from hf_asymkv.evals.ppl import text_windows
 
@@ -54,10 +55,19 @@ def test_greedy_agreement_is_the_common_prefix_of_two_generate_runs(llama, tok, 
     runs = []
     for name in ("dynamic", scheme):
         out = llama.generate(ids, **cache_kwargs(make_cache(name, llama.config)), max_new_tokens=steps + 1,
-                             do_sample=False)
-        runs.append(out[0, ids.shape[1]:].tolist())
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        runs.append(out.sequences[0, ids.shape[1]:].tolist())
+        if name == "dynamic":
+            full_logits = out.logits
     shared = next((i for i, (a, b) in enumerate(zip(*runs)) if a != b), steps + 1)
     assert row.agreement == [shared - 1]
+    if shared > steps:
+        assert row.margins == [None]
+    else:  # full precision's own top-1 minus top-2 log-probability where the scheme chose differently
+        logp = full_logits[shared][0].float().log_softmax(-1)
+        logp[sorted(eos_ids(llama))] = float("-inf")
+        top = logp.topk(2).values
+        assert row.margins == [pytest.approx(float(top[0] - top[1]), abs=1e-5)] and row.margins[0] >= 0
 
 
 def test_one_token_per_forward_after_the_prefill(llama, tok):
@@ -80,10 +90,14 @@ def test_rows_tables_and_seeds(llama, tok):
     assert len(lossy.kl) == 70 and len(lossy.segments) == 3 and len(lossy.agreement) == 2
     assert lossy.segments[0] == pytest.approx(sum(lossy.kl[:32]) / 32) and lossy.kl_mean > 0
     assert lossy.growth == pytest.approx(lossy.segments[-1] / lossy.segments[0])
-    assert math.isnan(rows[0].growth) and rows[0].agreement == [70, 70]
+    assert math.isnan(rows[0].growth) and rows[0].agreement == [70, 70] and rows[0].margins == [None, None]
+    assert len(lossy.margins) == 2 and all(m is None or m >= 0 for m in lossy.margins)
     table = long_decode_markdown(rows, 32, {"hf-fp8": "refused"})
     assert "| scheme | 0-31 | 32-63 | 64-69 | last / first |" in table
     assert "| asymkv-max | " in table and "Not run on this model: `hf-fp8` (refused)" in table
+    margins = ", ".join("-" if m is None else f"{m:.3f}" for m in lossy.margins)
+    assert f"| asymkv-max | {lossy.agreement[0]}, {lossy.agreement[1]} | {margins} | " in table
+    assert "| dynamic | 70, 70 | -, - | 70.0 |" in table
     entropy = ", ".join(f"{e:.2f}" for e in rows[0].entropy)
     assert f"Full precision's next-token entropy per segment (nats): {entropy}\n" in table
     again = run_long_decode(llama, tok, ["dynamic", "asymkv-max"], TEXT, 100, 70, prompts=2, segment=32,
