@@ -20,10 +20,10 @@ from ..core.quant import sqnr_db
 from .gpu_runs import attention_backend_env, timed_seconds
 from .schemes import make_cache, scheme_attention
 
-__all__ = ["attention_rows", "kernel_check_rows", "read_bytes"]
+__all__ = ["attention_rows", "graph_seconds", "kernel_check_rows", "quantized_kv", "read_bytes"]
 
 
-def _quantized_kv(model, preset: str, batch: int, context: int, dtype: torch.dtype, q_len: int = 1, seed: int = 0):
+def quantized_kv(model, preset: str, batch: int, context: int, dtype: torch.dtype, q_len: int = 1, seed: int = 0):
     """``(key, value, query)``: a ``preset`` cache's layer-0 ``QuantizedKV`` after ``context + q_len`` tokens, and a
     ``[B, Hq, q_len, D]`` query."""
     cfg, device = model.config, model.device
@@ -51,7 +51,7 @@ def read_bytes(kv) -> int:
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
-def _graph_seconds(fn, iters: int, device: torch.device) -> float | None:
+def graph_seconds(fn, iters: int, device: torch.device) -> float | None:
     """Seconds per call replayed from a CUDA graph (no launch overhead), or None off CUDA or if capture fails."""
     if device.type != "cuda":
         return None
@@ -73,7 +73,7 @@ def _graph_seconds(fn, iters: int, device: torch.device) -> float | None:
 def _time_call(fn, iters: int, device: torch.device) -> dict:
     fn()  # compiles the kernels, warms the allocator
     eager, _ = timed_seconds(lambda: [fn() for _ in range(iters)], device)
-    graph = _graph_seconds(fn, iters, device)
+    graph = graph_seconds(fn, iters, device)
     return {"eager_us": eager / iters * 1e6, "graph_us": None if graph is None else graph * 1e6}
 
 
@@ -84,7 +84,7 @@ def attention_rows(model, presets: list[str], batch: int, context: int, iters: i
     scale = model.config.head_dim**-0.5
     rows = []
     for i, preset in enumerate(presets):
-        key, value, query = _quantized_kv(model, preset, batch, context, model.dtype)
+        key, value, query = quantized_kv(model, preset, batch, context, model.dtype)
         if i == 0:
             dense_k, dense_v = key.dense(), value.dense()
             sdpa = lambda: F.scaled_dot_product_attention(query, dense_k, dense_v, scale=scale, enable_gqa=True)  # noqa: E731
@@ -117,7 +117,7 @@ def kernel_check_rows(model, presets: list[str], batch: int, context: int) -> li
     for preset in presets:
         for dtype in dict.fromkeys((torch.float32, model.dtype)):
             for q_len in (1, 5):
-                key, value, query = _quantized_kv(model, preset, batch, context, dtype, q_len, seed=1)
+                key, value, query = quantized_kv(model, preset, batch, context, dtype, q_len, seed=1)
                 kv = key.shape[2]
                 mask = torch.ones(q_len, kv, dtype=torch.bool, device=model.device).tril(kv - q_len)
                 mask = mask[None, None].repeat(batch, 1, 1, 1)

@@ -24,8 +24,8 @@ from .memory import cache_nbytes
 from .schemes import make_cache, scheme_attention
 
 __all__ = ["DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
-           "attention_backend_env", "build_model", "compiled_forward", "decode_row", "sdpa_backends", "timed_seconds",
-           "weight_bytes"]
+           "attention_backend_env", "build_model", "compiled_forward", "decode_row", "make_gpu_cache", "sdpa_backends",
+           "timed_seconds", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,9 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _make_cache(name: str, model, max_tokens: int):
+def make_gpu_cache(name: str, model, max_tokens: int):
+    """GPU scheme ``name``'s cache for ``model`` (a static one sized for ``max_tokens``); raises
+    :class:`SchemeUnavailable` when the package it needs is not installed."""
     scheme = GPU_SCHEMES[name]
     if scheme.needs and not _importable(scheme.needs):
         raise SchemeUnavailable(f"{scheme.needs} is not installed")
@@ -209,7 +211,7 @@ def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: i
     try:
         with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
                 sdpa_backends(scheme.flash_sdpa):
-            cache = _make_cache(name, model, context + warmup + steps + 1)
+            cache = make_gpu_cache(name, model, context + warmup + steps + 1)
             forward = compiled_forward(model) if scheme.compiled else model
             prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),
                                            device)

@@ -18,11 +18,18 @@ import torch
 from ..core.attention import fused_attention
 from ..core.backend import kernel_regions
 from ..core.quant import sqnr_db
-from .gpu_attention import _graph_seconds, _quantized_kv
-from .gpu_runs import GPU_SCHEMES, _make_cache, attention_backend_env, cache_kwargs, sdpa_backends, timed_seconds
+from .gpu_attention import graph_seconds, quantized_kv
+from .gpu_runs import (
+    GPU_SCHEMES,
+    attention_backend_env,
+    cache_kwargs,
+    make_gpu_cache,
+    sdpa_backends,
+    timed_seconds,
+)
 from .schemes import scheme_attention
 
-__all__ = ["GRID", "launch_rows", "profile_rows"]
+__all__ = ["GRID", "PROGRAMS_PER_SM", "best_rows", "launch_rows", "markdown", "profile_rows"]
 
 GRID = {"num_warps": (4, 8), "num_stages": (1, 2, 3), "tile": (32, 64)}
 """The launch settings swept (each combination is one kernel compile per preset and dtype)."""
@@ -56,7 +63,7 @@ def launch_rows(model, presets: list[str], batches: list[int], context: int, ite
         if deadline is not None and time.monotonic() > deadline:
             rows.append({"preset": preset, "dtype": str(dtype), "batch": batch, "status": "skipped: time budget"})
             continue
-        key, value, query = _quantized_kv(model, preset, batch, context, dtype)
+        key, value, query = quantized_kv(model, preset, batch, context, dtype)
         want = fused_attention(query, key, value, None, scale)
         default_tile = tile_tokens(kernel_regions(key, value, None, query.shape[2])[0])
         grid = [LaunchConfig(**dict(zip(GRID, values))) for values in itertools.product(*GRID.values())]
@@ -69,7 +76,7 @@ def launch_rows(model, presets: list[str], batches: list[int], context: int, ite
                 try:
                     fn = _launcher(query, key, value, scale, launch, per_sm)
                     row["sqnr_db"] = sqnr_db(want, fn())
-                    graph = _graph_seconds(fn, iters, model.device)
+                    graph = graph_seconds(fn, iters, model.device)
                     if graph is None:
                         graph, _ = timed_seconds(lambda: [fn() for _ in range(iters)], model.device)  # noqa: B023
                         graph /= iters
@@ -118,7 +125,7 @@ def profile_rows(model, names: list[str], batch: int, context: int, steps: int =
             with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
                     sdpa_backends(scheme.flash_sdpa):
                 row["attn_implementation"] = model.config._attn_implementation
-                cache = _make_cache(name, model, context + 64)
+                cache = make_gpu_cache(name, model, context + 64)
                 token = model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
 
                 def step(n: int, tok=token):

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     for preset in args.presets.split(","):
         for context in map(int, args.contexts.split(",")):
             for batch in map(int, args.batches.split(",")):
-                key, value, query = gpu_attention._quantized_kv(model, preset, batch, context, torch.bfloat16)
+                key, value, query = gpu_attention.quantized_kv(model, preset, batch, context, torch.bfloat16)
                 calls = {
                     "kernel_regions": lambda: backend.kernel_regions(key, value, None, 1),  # noqa: B023
                     "launch_decode_attention (+ regions)": lambda: decode.launch_decode_attention(  # noqa: B023
