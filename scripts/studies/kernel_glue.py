@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from layer_step import best_ms  # noqa: E402
 
 
 class _Stub:
@@ -27,14 +30,7 @@ class _Stub:
 
 
 def best_us(fn, repeats: int) -> float:
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
+    return best_ms(fn, repeats) * 1e3  # best of ``repeats`` calls after 3 warm-up calls
 
 
 def main(argv: list[str] | None = None) -> None:
