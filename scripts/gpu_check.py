@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--full-layers", type=int, default=FULL_LAYERS)
     p.add_argument("--compiled-contexts", type=int, nargs="+", default=None,
                    help="batch-1 contexts for the compiled schemes (default: --contexts; each is a new compile)")
+    p.add_argument("--compile-mode", default="reduce-overhead",
+                   choices=["reduce-overhead", "default", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode of the compiled schemes on a GPU (default: reduce-overhead, CUDA graphs, "
+                        "what generate uses when it compiles a static cache)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start no decode row after this many seconds (those rows say so); the report is still written")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
@@ -168,7 +172,8 @@ def run(args: argparse.Namespace, schemes: list[str]) -> dict:
         if deadline is not None and time.monotonic() > deadline:
             row = gpu_runs.DecodeRow(name, batch, context, status=f"skipped: --time-budget {args.time_budget:g} s spent")
         else:
-            row = gpu_runs.decode_row(model, name, batch, context, args.steps, args.warmup)
+            row = gpu_runs.decode_row(model, name, batch, context, args.steps, args.warmup,
+                                      compile_mode=args.compile_mode)
         print(f"decode {name} batch {batch} context {context}: {row.status} {row.decode_ms:.2f} ms/step", flush=True)
         parts["decode"].append(row.as_dict())
         _write(args, meta, parts, final=False)
@@ -228,7 +233,8 @@ def _meta(args: argparse.Namespace, shapes, model, device) -> dict:
             "transformers": transformers.__version__, "model": dataclasses.asdict(shapes), "dtype": str(model.dtype),
             "weight_bytes": weight_bytes(model), "steps": args.steps, "warmup": args.warmup,
             "budget_gib": args.budget_gib, "full_layers": args.full_layers, "time_budget_s": args.time_budget,
-            "compiled_contexts": args.compiled_contexts or args.contexts, "parts": args.parts}
+            "compiled_contexts": args.compiled_contexts or args.contexts, "parts": args.parts,
+            "compile_mode": args.compile_mode}
 
 
 if __name__ == "__main__":

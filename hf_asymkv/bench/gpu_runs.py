@@ -23,7 +23,7 @@ from ..kernels.backend import ENV_VAR
 from .memory import cache_nbytes
 from .schemes import make_cache, scheme_attention
 
-__all__ = ["DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
+__all__ = ["COMPILE_MODES", "DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
            "attention_backend_env", "build_model", "compiled_forward", "decode_row", "make_gpu_cache", "sdpa_backends",
            "timed_seconds", "weight_bytes"]
 
@@ -151,13 +151,22 @@ def make_gpu_cache(name: str, model, max_tokens: int):
     return make_cache(scheme.bench_scheme, model.config, max_cache_len=max_tokens if scheme.compiled else None)
 
 
-def compiled_forward(model) -> Callable:
-    """``torch.compile(model.forward, fullgraph=True, dynamic=False)`` with a clean compile cache (each (batch,
-    context) is new shapes: one graph per row, no recompile limit reached over the rows); inductor on a GPU, the
-    eager backend on CPU (the dry run checks that the step traces as one graph, not what inductor makes of it)."""
+COMPILE_MODES = ("reduce-overhead", "default", "max-autotune-no-cudagraphs")
+"""``torch.compile`` modes for the compiled schemes on a GPU; the first is what ``generate`` uses when it compiles
+a static cache by itself (transformers' ``CompileConfig``: CUDA graphs)."""
+
+
+def compiled_forward(model, mode: str = COMPILE_MODES[0]) -> Callable:
+    """``torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)`` with a clean compile cache (each
+    (batch, context) is new shapes: one graph per row, no recompile limit reached over the rows); inductor on a GPU,
+    the eager backend on CPU, where ``mode`` does not apply (the dry run checks that the step traces as one graph,
+    not what inductor makes of it)."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}; expected one of {list(COMPILE_MODES)}")
     torch._dynamo.reset()
-    backend = "inductor" if model.device.type == "cuda" else "eager"
-    return torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
+    if model.device.type != "cuda":
+        return torch.compile(model.forward, fullgraph=True, dynamic=False, backend="eager")
+    return torch.compile(model.forward, fullgraph=True, dynamic=False, backend="inductor", mode=mode)
 
 
 # ------------------------------------------------------------------------------------------------ timing
@@ -197,9 +206,11 @@ class DecodeRow:
 
 
 @torch.no_grad()
-def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: int, seed: int = 0) -> DecodeRow:
+def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: int, seed: int = 0,
+               compile_mode: str = COMPILE_MODES[0]) -> DecodeRow:
     """Prefill ``batch`` random prompts of ``context`` tokens into scheme ``name``'s cache, then time ``steps``
-    greedy decode steps after ``warmup`` untimed ones (kernel compilation, first allocations)."""
+    greedy decode steps after ``warmup`` untimed ones (kernel compilation, CUDA-graph capture, first allocations);
+    a compiled scheme's steps run under ``torch.compile(mode=compile_mode)``."""
     device = model.device
     row = DecodeRow(name, batch, context)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
@@ -212,7 +223,7 @@ def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: i
         with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
                 sdpa_backends(scheme.flash_sdpa):
             cache = make_gpu_cache(name, model, context + warmup + steps + 1)
-            forward = compiled_forward(model) if scheme.compiled else model
+            forward = compiled_forward(model, compile_mode) if scheme.compiled else model
             prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),
                                            device)
             token = out.logits[:, -1:].argmax(-1)

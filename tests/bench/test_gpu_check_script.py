@@ -76,3 +76,15 @@ def test_unknown_scheme_is_named(gpu_check):
 def test_without_a_gpu_it_points_at_the_dry_run(gpu_check):
     with pytest.raises(SystemExit, match="no CUDA device here; use --dry-run"):
         gpu_check.main([])
+
+
+def test_compile_modes_are_the_runners_and_default_to_generates(gpu_check):
+    from hf_asymkv.bench.gpu_runs import COMPILE_MODES, compiled_forward
+
+    assert gpu_check.parse_args([]).compile_mode == COMPILE_MODES[0] == "reduce-overhead"
+    for mode in COMPILE_MODES:
+        assert gpu_check.parse_args(["--compile-mode", mode]).compile_mode == mode
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--compile-mode", "fast"])
+    with pytest.raises(ValueError, match="compile mode 'fast'; expected one of"):
+        compiled_forward(None, "fast")
