@@ -23,9 +23,10 @@ from ..kernels.backend import ENV_VAR
 from .memory import cache_nbytes
 from .schemes import make_cache, scheme_attention
 
-__all__ = ["COMPILE_MODES", "DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes", "SchemeUnavailable",
-           "attention_backend_env", "build_model", "compiled_forward", "decode_row", "make_gpu_cache", "sdpa_backends",
-           "timed_seconds", "weight_bytes"]
+__all__ = ["COMPILE_MODES", "DRY_SHAPES", "GPU_SCHEMES", "LLAMA3_8B", "DecodeRow", "GPUScheme", "ModelShapes",
+           "SchemeUnavailable", "attention_backend_env", "build_model", "compiled_forward", "decode_row",
+           "greedy_steps", "make_gpu_cache", "prompt_ids", "scheme_context", "sdpa_backends", "timed_seconds",
+           "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,30 @@ def sdpa_backends(flash_only: bool):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+@contextlib.contextmanager
+def scheme_context(model, name: str) -> Iterator[GPUScheme]:
+    """Everything GPU scheme ``name`` runs under: its attention implementation, ``HF_ASYMKV_ATTENTION_BACKEND`` and
+    SDPA's kernels (:func:`sdpa_backends`), each restored after; yields the scheme."""
+    scheme = GPU_SCHEMES[name]
+    with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
+            sdpa_backends(scheme.flash_sdpa):
+        yield scheme
+
+
+def prompt_ids(model, batch: int, context: int, seed: int = 0) -> torch.Tensor:
+    """``[batch, context]`` random token ids on the model's device (seeded): the prompts every scheme prefills."""
+    return torch.randint(0, model.config.vocab_size, (batch, context), device=model.device,
+                         generator=torch.Generator(model.device).manual_seed(seed))
+
+
+def greedy_steps(forward: Callable, cache, token: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` greedy decode steps from ``token`` (``[B, 1]``) through ``forward`` (the model or its compiled forward)
+    and ``cache``; returns the last chosen tokens."""
+    for _ in range(n):
+        token = forward(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+    return token
+
+
 def _importable(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -213,29 +238,18 @@ def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: i
     a compiled scheme's steps run under ``torch.compile(mode=compile_mode)``."""
     device = model.device
     row = DecodeRow(name, batch, context)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
-                        generator=torch.Generator(device).manual_seed(seed))
-    scheme = GPU_SCHEMES[name]
+    ids = prompt_ids(model, batch, context, seed)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
-                sdpa_backends(scheme.flash_sdpa):
+        with scheme_context(model, name) as scheme:
             cache = make_gpu_cache(name, model, context + warmup + steps + 1)
             forward = compiled_forward(model, compile_mode) if scheme.compiled else model
             prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),
                                            device)
-            token = out.logits[:, -1:].argmax(-1)
-
-            def step(n: int):
-                tok = token
-                for _ in range(n):
-                    tok = forward(input_ids=tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-                return tok
-
-            token = step(warmup)
-            decode_s, _ = timed_seconds(lambda: step(steps), device)
+            token = greedy_steps(forward, cache, out.logits[:, -1:].argmax(-1), warmup)
+            decode_s, _ = timed_seconds(lambda: greedy_steps(forward, cache, token, steps), device)
     except SchemeUnavailable as exc:
         row.status = f"skipped: {exc}"
         return row

@@ -19,15 +19,7 @@ from ..core.attention import fused_attention
 from ..core.backend import kernel_regions
 from ..core.quant import sqnr_db
 from .gpu_attention import graph_seconds, quantized_kv
-from .gpu_runs import (
-    GPU_SCHEMES,
-    attention_backend_env,
-    cache_kwargs,
-    make_gpu_cache,
-    sdpa_backends,
-    timed_seconds,
-)
-from .schemes import scheme_attention
+from .gpu_runs import cache_kwargs, greedy_steps, make_gpu_cache, prompt_ids, scheme_context, timed_seconds
 
 __all__ = ["GRID", "PROGRAMS_PER_SM", "best_rows", "launch_rows", "markdown", "profile_rows"]
 
@@ -37,14 +29,13 @@ PROGRAMS_PER_SM = (1, 2, 4, 8)
 """Split counts swept for each compiled combination (no new compile)."""
 
 
-def _launcher(query, key, value, scale: float, launch, programs_per_sm: int | None = None):
+def _launcher(query, region, segments, kv_len: int, scale: float, launch, programs_per_sm: int | None = None):
     from dataclasses import replace
 
     from ..kernels.decode import launch_decode_attention
 
-    region, segments = kernel_regions(key, value, None, query.shape[2])
     launch = launch if programs_per_sm is None else replace(launch, programs_per_sm=programs_per_sm)
-    return lambda: launch_decode_attention(query, scale, quantized=region, exact=segments, kv_len=key.shape[2],
+    return lambda: launch_decode_attention(query, scale, quantized=region, exact=segments, kv_len=kv_len,
                                            launch=launch)
 
 
@@ -60,21 +51,23 @@ def launch_rows(model, presets: list[str], batches: list[int], context: int, ite
     scale = model.config.head_dim**-0.5
     rows = []
     for preset, dtype, batch in itertools.product(presets, dtypes, batches):
+        label = str(dtype).replace("torch.", "")
         if deadline is not None and time.monotonic() > deadline:
-            rows.append({"preset": preset, "dtype": str(dtype), "batch": batch, "status": "skipped: time budget"})
+            rows.append({"preset": preset, "dtype": label, "batch": batch, "status": "skipped: time budget"})
             continue
         key, value, query = quantized_kv(model, preset, batch, context, dtype)
         want = fused_attention(query, key, value, None, scale)
-        default_tile = tile_tokens(kernel_regions(key, value, None, query.shape[2])[0])
+        region, segments = kernel_regions(key, value, None, query.shape[2])  # once: every setting reads the same
+        default_tile = tile_tokens(region)
         grid = [LaunchConfig(**dict(zip(GRID, values))) for values in itertools.product(*GRID.values())]
         configs = [LaunchConfig()] + [c for c in grid if default_tile % c.tile == 0]  # tiles inside a key scale group
         for launch in configs:
             for per_sm in (None,) if launch == LaunchConfig() else PROGRAMS_PER_SM:
-                row = {"preset": preset, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "context": context,
+                row = {"preset": preset, "dtype": label, "batch": batch, "context": context,
                        "num_warps": launch.num_warps, "num_stages": launch.num_stages, "tile": launch.tile,
                        "programs_per_sm": per_sm, "default": launch == LaunchConfig()}
                 try:
-                    fn = _launcher(query, key, value, scale, launch, per_sm)
+                    fn = _launcher(query, region, segments, key.shape[2], scale, launch, per_sm)
                     row["sqnr_db"] = sqnr_db(want, fn())
                     graph = graph_seconds(fn, iters, model.device)
                     if graph is None:
@@ -115,29 +108,20 @@ def profile_rows(model, names: list[str], batch: int, context: int, steps: int =
 
     device = model.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
-                        generator=torch.Generator(device).manual_seed(0))
+    ids = prompt_ids(model, batch, context)
     rows = []
     for name in names:
-        scheme = GPU_SCHEMES[name]
         row = {"scheme": name, "batch": batch, "context": context}
         try:
-            with scheme_attention(model, scheme.bench_scheme or "dynamic"), attention_backend_env(scheme.backend), \
-                    sdpa_backends(scheme.flash_sdpa):
+            with scheme_context(model, name):
                 row["attn_implementation"] = model.config._attn_implementation
                 cache = make_gpu_cache(name, model, context + 64)
                 token = model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1).logits[:, -1:].argmax(-1)
-
-                def step(n: int, tok=token):
-                    for _ in range(n):
-                        tok = model(input_ids=tok, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
-                    return tok
-
-                token = step(4)
-                seconds, _ = timed_seconds(lambda: step(steps), device)
+                token = greedy_steps(model, cache, token, 4)
+                seconds, _ = timed_seconds(lambda: greedy_steps(model, cache, token, steps), device)  # noqa: B023
                 row["step_ms"] = seconds * 1e3 / steps
                 with profile(activities=activities) as prof:
-                    step(steps)
+                    greedy_steps(model, cache, token, steps)
                 events = prof.key_averages()
                 row["cpu_top"] = _top(events, "self_cpu_time_total", top, steps)
                 if device.type == "cuda":

@@ -96,7 +96,7 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     heads = (quantized.keys.codes if quantized is not None else segments[0].keys).shape[1]
     rows = hq // heads * q_len
     kv_len = max(r.start + r.tokens for r in regions) if kv_len is None else kv_len
-    launch = launch or LaunchConfig()
+    launch = launch or _DEFAULT_LAUNCH
     tile = launch.tile_for(quantized)
     counts = [-(-r.tokens // tile) for r in regions]
     if tiles_per_split is None:
@@ -148,6 +148,9 @@ class LaunchConfig:
         if self.tile < MIN_TILE or self.tile & (self.tile - 1) or default % self.tile:
             raise ValueError(f"tile of {self.tile} tokens: a power of two >= {MIN_TILE} dividing {default} expected.")
         return self.tile
+
+
+_DEFAULT_LAUNCH = LaunchConfig()  # made once: the decode step's path builds nothing it does not need
 
 
 def pipeline_stages(tile: int) -> int:
