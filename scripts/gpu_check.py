@@ -94,7 +94,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     least = [("--contexts", args.contexts, 1), ("--long-batch", args.long_batch, 1), ("--steps", args.steps, 1),
              ("--warmup", args.warmup, 0), ("--layers", args.layers, 1), ("--iters", args.iters, 1),
              ("--attention-context", args.attention_context, 1), ("--attention-batches", args.attention_batches, 1),
-             ("--full-layers", args.full_layers, 1), ("--compiled-contexts", args.compiled_contexts or [1], 1)]
+             ("--full-layers", args.full_layers, 1), ("--compiled-contexts", args.compiled_contexts or [1], 1),
+             ("--tune-batches", args.tune_batches, 1)]
     for flag, value, minimum in least:
         if min(value if isinstance(value, list) else [value]) < minimum:
             p.error(f"{flag} must be >= {minimum}, got {value}")
@@ -121,9 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
     from hf_asymkv.bench.gpu_runs import GPU_SCHEMES
 
     schemes = args.schemes or list(GPU_SCHEMES)
-    unknown = sorted(set(schemes) - set(GPU_SCHEMES))
-    if unknown:
-        sys.exit(f"gpu_check.py: error: unknown schemes {unknown}; known: {list(GPU_SCHEMES)}")
+    for flag, names in (("schemes", schemes), ("--profile-schemes", args.profile_schemes)):
+        unknown = sorted(set(names) - set(GPU_SCHEMES))
+        if unknown:
+            sys.exit(f"gpu_check.py: error: unknown {flag} {unknown}; known: {list(GPU_SCHEMES)}")
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("gpu_check.py: error: no CUDA device here; use --dry-run to check the script on CPU")
     return run(args, schemes)

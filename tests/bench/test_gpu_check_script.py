@@ -48,8 +48,12 @@ def test_dry_run_writes_the_report(tmp_path):
     (["--budget-gib", "-5"], "--budget-gib must be > 0, got -5.0"),
     (["--time-budget", "0"], "--time-budget must be > 0, got 0.0"),
     (["--compiled-contexts", "0"], "--compiled-contexts must be >= 1, got [0]"),
+    (["--tune-batches", "1", "0"], "--tune-batches must be >= 1, got [1, 0]"),
+    (["--parts", "check,speed"], "--parts: unknown or no parts ['speed']; known: update,check,attention,decode,tune,"),
+    (["--parts", ","], "--parts: unknown or no parts []"),
+    (["--compile-mode", "fast"], "argument --compile-mode: invalid choice: 'fast'"),
 ], ids=["zero-context", "zero-batch-context", "negative-warmup", "zero-bandwidth", "negative-budget", "zero-time-budget",
-        "zero-compiled-context"])
+        "zero-compiled-context", "zero-tune-batch", "unknown-part", "no-part", "unknown-compile-mode"])
 def test_bad_flags_exit_2(gpu_check, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         gpu_check.parse_args(argv)
@@ -71,6 +75,11 @@ def test_unknown_scheme_is_named(gpu_check):
         gpu_check.main(["--dry-run", "--schemes", "dynamic", "nope"])
 
 
+def test_unknown_profile_scheme_is_named(gpu_check):
+    with pytest.raises(SystemExit, match=r"unknown --profile-schemes \['nope'\]; known: \['dynamic'"):
+        gpu_check.main(["--dry-run", "--parts", "profile", "--profile-schemes", "dynamic", "nope"])
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") and __import__("torch").cuda.is_available(),
                     reason="a GPU is here")
 def test_without_a_gpu_it_points_at_the_dry_run(gpu_check):
@@ -84,7 +93,5 @@ def test_compile_modes_are_the_runners_and_default_to_generates(gpu_check):
     assert gpu_check.parse_args([]).compile_mode == COMPILE_MODES[0] == "reduce-overhead"
     for mode in COMPILE_MODES:
         assert gpu_check.parse_args(["--compile-mode", mode]).compile_mode == mode
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--compile-mode", "fast"])
     with pytest.raises(ValueError, match="compile mode 'fast'; expected one of"):
         compiled_forward(None, "fast")
