@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import cpu_readout
 from .packing import PackedCodes, pack_codes, packs_tokens, plane_widths, unpack_codes
 from .rounding import round_down, round_up
 from .wide import WideBits, add_wide_codes
@@ -43,6 +44,7 @@ __all__ = [
     "code_levels",
     "decode_codes",
     "integer_codes",
+    "native_readout",
     "storage_offset",
     "needs_wider_metadata",
     "sqnr_db",
@@ -300,11 +302,25 @@ def dequantize(
     No temporary of the output's size is made: a mixed-dtype ``codes * scale`` would first copy the codes to
     ``dtype`` and then multiply; converting into ``out`` and multiplying in place does the same in two passes
     over ``out``, without the allocation. Sub-byte codes are unpacked in bytes first (:func:`decode_codes`). In float32 the result is exact to one
-    rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once).
+    rounding (``code * scale`` is exact for <= 8-bit codes and fp16/bf16 scales; ``+ zero`` rounds once). A float32
+    output of integer codes on a CPU is written by the native read-out instead (:func:`native_readout`): one pass,
+    the same bits.
     """
-    out = decode_codes(codes, spec, dtype=dtype, out=out, wide=wide)
+    if out is None:
+        b, h, t, _ = codes.data.shape
+        out = torch.empty(b, h, t, codes.head_dim, dtype=dtype, device=codes.device)
     head_dim = out.shape[-1]
     tg, cg = spec.groups(head_dim)
+    if native_readout(out, codes, spec) and (wide is None or codes.layout == "head_dim"
+                                             or codes.block_size == spec.block_size):
+        offset = storage_offset(spec)  # float32 scale and zero: exactly `_factor`'s for a float32 output
+        return cpu_readout.read_plain(
+            out, codes.data, bits=spec.bits, tokens_layout=codes.layout == "tokens",
+            block_size=codes.block_size if codes.layout == "tokens" else spec.block_size, offset=offset,
+            scale=scale.float(), zero=None if zero is None else zero.float(), token_group=tg, channel_group=cg,
+            wide_bits=None if wide is None else wide.bits, wide_channels=None if wide is None else wide.channels,
+            wide_offset=offset)
+    out = decode_codes(codes, spec, dtype=dtype, out=out, wide=wide)
     dest = _grouped(out, tg, cg)
     factor = _bcast(_factor(scale, dtype))
     if zero is None:
@@ -314,6 +330,15 @@ def dequantize(
     else:
         dest.mul_(factor).add_(_bcast(_factor(zero, dtype)))
     return out
+
+
+def native_readout(out: torch.Tensor, codes: PackedCodes, spec: QuantSpec) -> bool:
+    """Whether :mod:`hf_asymkv.kernels.cpu_readout` (one native pass, bit-identical to the torch read-out) decodes
+    ``codes`` into ``out``: integer codes of ``spec``'s width, a float32 CPU ``out``, eager, and allowed by
+    ``HF_ASYMKV_CPU_READOUT``."""
+    if torch.compiler.is_compiling() or spec.is_float or codes.bits != spec.bits:
+        return False
+    return cpu_readout.use_native(out, codes.data, spec.bits, codes.head_dim)
 
 
 def _factor(meta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

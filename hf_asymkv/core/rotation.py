@@ -25,8 +25,9 @@ import math
 
 import torch
 
+from ..kernels import cpu_readout
 from .packing import PackedCodes
-from .quant import QuantSpec, dequantize, integer_codes
+from .quant import QuantSpec, dequantize, integer_codes, native_readout, storage_offset
 
 __all__ = ["dequantize_rotated", "hadamard", "hadamard_block", "rotate", "unrotate"]
 
@@ -110,6 +111,14 @@ def dequantize_rotated(codes: PackedCodes, scale: torch.Tensor, zero: torch.Tens
         region = dequantize(codes, scale, zero, spec, dtype=dtype)
         rotated_back = unrotate(region)
         return rotated_back if out is None else out.copy_(rotated_back)
+    block = hadamard_block(head_dim)
+    if out is None and dtype == torch.float32:
+        out = torch.empty(b, h, t, head_dim, dtype=dtype, device=codes.device)
+    if out is not None and native_readout(out, codes, spec):  # one native pass, the same arithmetic as below
+        return cpu_readout.read_rotated(
+            out, codes.data, bits=spec.bits, tokens_layout=codes.layout == "tokens", block_size=codes.block_size,
+            offset=storage_offset(spec), row_scale=(scale.float() / math.sqrt(block))[..., 0],
+            row_zero=None if zero is None else (zero.float() * math.sqrt(block))[..., 0], hadamard=block)
     ints = integer_codes(codes, spec).view(torch.int8).view(-1, head_dim)
     # exact; eagerly ATen's kernel is called directly (the operator's Python dispatch adds ~15 us per call)
     product = signs_product(ints) if torch.compiler.is_compiling() else torch._int_mm(ints, _signs_cpu(head_dim))
@@ -119,7 +128,6 @@ def dequantize_rotated(codes: PackedCodes, scale: torch.Tensor, zero: torch.Tens
     # ``out`` is the work tensor itself
     direct = out is not None and out.dtype == torch.float32
     work = out.copy_(product) if direct else product.float()
-    block = hadamard_block(head_dim)
     work.mul_(scale.float() / math.sqrt(block))
     if zero is not None:  # 1 H^T: sqrt(b) in each block's first column, 0 elsewhere
         work[..., ::block].add_(zero.float() * math.sqrt(block))

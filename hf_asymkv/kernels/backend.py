@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from . import env_choice
+
 __all__ = ["BACKENDS", "ENV_VAR", "choose_backend", "requested_backend", "triton_problem", "triton_version"]
 
 ENV_VAR = "HF_ASYMKV_ATTENTION_BACKEND"
@@ -30,10 +32,7 @@ def requested_backend() -> str:
     Raises:
         ValueError: a value outside :data:`BACKENDS`.
     """
-    value = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not an attention backend; allowed: {list(BACKENDS)}.")
-    return value
+    return env_choice(ENV_VAR, BACKENDS, "an attention backend")
 
 
 @functools.lru_cache(maxsize=1)

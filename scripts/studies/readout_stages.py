@@ -4,7 +4,9 @@ One SmolLM2-shaped layer (3 KV heads x 64 channels) is filled with random keys a
 cache; then, for each stored tensor, the read-out's stages are timed alone (best of ``--repeats`` calls): unpacking
 the packed codes, the wide key channels' high bits (their table lookup, then their fold into the codes), the codes to
 floats, the whole dequantize, and for rotated values the integer-path read-out that rotates back. Stages nest, so the
-cost of one is the difference to the stage before it.
+cost of one is the difference to the stage before it. They run the torch read-out (``HF_ASYMKV_CPU_READOUT=torch``);
+the last row of each tensor is the native read-out (:mod:`hf_asymkv.kernels.cpu_readout`), one pass that writes the
+same bits as the whole torch read-out above it.
 
     python scripts/studies/readout_stages.py --presets balanced,compact --length 4096 --threads 2 \
         --out results/bench/readout_stages.md
@@ -13,6 +15,7 @@ cost of one is the difference to the stage before it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from hf_asymkv.core.packing import unpack_codes
 from hf_asymkv.core.quant import decode_codes, dequantize
 from hf_asymkv.core.rotation import dequantize_rotated
 from hf_asymkv.core.wide import add_wide_codes, high_bits
+from hf_asymkv.kernels import cpu_readout
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from layer_step import HEAD_DIM, KV_HEADS, Q_HEADS, best_ms  # noqa: E402  (SmolLM2's attention shape)
@@ -63,6 +67,13 @@ def stages(preset: str, length: int, repeats: int) -> list[tuple[str, str, float
         if spec.rotated:
             rows.append((label, "dequantize rotated back (the read-out)",
                          best_us(lambda: dequantize_rotated(codes, scale, zero, spec), repeats)))
+        os.environ[cpu_readout.ENV_VAR] = "native"
+        if spec.rotated:
+            native = best_us(lambda: dequantize_rotated(codes, scale, zero, spec), repeats)
+        else:
+            native = best_us(lambda: dequantize(codes, scale, zero, spec, wide=wide), repeats)
+        rows.append((label, "**native read-out (one pass, the same bits)**", native))
+        os.environ[cpu_readout.ENV_VAR] = "torch"
     return rows
 
 
@@ -75,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="markdown file for the table")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    os.environ[cpu_readout.ENV_VAR] = "torch"  # the stages are the torch read-out's; the native row sets its own
     lines = [f"`python scripts/studies/readout_stages.py --presets {args.presets} --length {args.length} "
              f"--threads {args.threads} --repeats {args.repeats}` (one layer, {KV_HEADS} KV heads x {HEAD_DIM}, "
              f"fp32, best of {args.repeats} calls, µs; stages nest)", "",

@@ -1,0 +1,184 @@
+"""The native CPU read-out (hf_asymkv/kernels/cpu_readout.c) against the torch read-out: the same bits.
+
+Every stored format a layer can hold is filled through a real layer (prefill, then single tokens, so the region has
+blocks quantized at different times), and the whole read-out a decode step uses (``QuantizedKV.dense``: sinks,
+codes, window) is compared bit for bit with ``HF_ASYMKV_CPU_READOUT=torch``. Runs wherever a C compiler exists; CI
+has one, so there it cannot skip.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hf_asymkv import AsymKVCache, AsymKVConfig
+from hf_asymkv.core.packing import PackedCodes, pack_codes
+from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, native_readout, quantize
+from hf_asymkv.core.rotation import dequantize_rotated, rotate
+from hf_asymkv.kernels import cpu_readout
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the native read-out cannot be built here")
+
+CONFIGS = {
+    "balanced": dict(),
+    "quality": dict(key_format="int8", value_bits=6),
+    "lean": dict(key_format="int4", key_symmetric=False, key_block_size=32, value_bits=4, residual_length=32),
+    "compact": dict(key_format="int4", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25,
+                    value_bits=3, residual_length=32),
+    "tight": dict(key_format="int3", key_symmetric=False, key_block_size=64, value_bits=2, residual_length=32),
+    "max": dict(key_format="int2", key_symmetric=False, key_block_size=32, value_bits=2),
+    "wide symmetric int3": dict(key_format="int3", key_block_size=32, key_wide_fraction=0.3, value_bits=5),
+    "wide int2": dict(key_format="int2", key_symmetric=False, key_block_size=16, key_wide_fraction=0.1),
+    "int8 asymmetric keys, int8 values": dict(key_symmetric=False, value_bits=8, key_block_size=16),
+    "plain values per 16 channels": dict(value_rotation=False, value_group_size=16, value_bits=4),
+    "symmetric values": dict(value_symmetric=True, value_bits=4, value_rotation=False, key_format="int4"),
+    "symmetric rotated values": dict(value_symmetric=True, value_bits=6),
+    "head_dim layout (block 1)": dict(key_format="int4", key_block_size=1, value_bits=3, residual_length=8),
+    "head_dim layout (block 4, 3 bits)": dict(key_format="int3", key_block_size=4, value_bits=5),
+    "per-token keys": dict(key_format="int4", key_granularity="token", key_group_size=32, key_block_size=16),
+    "per-tensor keys": dict(key_granularity="tensor", key_block_size=16),
+    "rotated keys": dict(key_rotation=True, key_block_size=16),
+    "fp8 keys (torch path)": dict(key_format="fp8_e4m3", key_block_size=16),
+}
+
+
+def filled_layer(settings: dict, head_dim: int = 64, batch: int = 2, tokens: int = 300):
+    """A layer of a tiny Llama-shaped cache after a prefill and 40 single-token steps (random K/V)."""
+    config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                         num_hidden_layers=1, intermediate_size=16, vocab_size=32)
+    cache = AsymKVCache(config, AsymKVConfig(**settings))
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, batch, 2, tokens, head_dim, generator=g)
+    k[..., 3] *= 20  # an outlier channel
+    layer = cache.layers[0]
+    layer.update(k, v)
+    for step in range(40):
+        layer.update(*torch.randn(2, batch, 2, 1, head_dim, generator=g))
+    return layer
+
+
+def read_out(layer, choice: str, monkeypatch) -> list[torch.Tensor]:
+    """Each store's whole quantized region read out, then one more decode step's dense K and V (on a copy)."""
+    monkeypatch.setenv(cpu_readout.ENV_VAR, choice)
+    regions = []
+    for store in (layer.key_store, layer.value_store):
+        codes, scale, zero, wide = store.blocks.parts(0, store.blocks.length)
+        if store.spec.rotated:
+            regions.append(dequantize_rotated(codes, scale, zero, store.spec))
+        else:
+            regions.append(dequantize(codes, scale, zero, store.spec, wide=wide))
+    step = torch.randn(2, regions[0].shape[0], 2, 1, regions[0].shape[-1],
+                       generator=torch.Generator().manual_seed(1))
+    return regions + list(copy.deepcopy(layer).update(*step))
+
+
+@pytest.mark.parametrize("settings", CONFIGS.values(), ids=CONFIGS.keys())
+def test_native_read_out_equals_torch_bit_for_bit(settings, monkeypatch):
+    layer = filled_layer(settings)
+    expected = read_out(layer, "torch", monkeypatch)
+    got = read_out(layer, "auto", monkeypatch)
+    for name, e, g in zip(("K codes", "V codes", "K", "V"), expected, got):
+        assert torch.equal(e, g), f"{name}: max difference {(e - g).abs().max().item()}"
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 40], ids=lambda d: f"head_dim{d}")
+def test_block_diagonal_rotation_and_odd_head_dims(head_dim, monkeypatch):
+    """Hadamard blocks of 16, 32 and 8 (the largest power of two dividing head_dim), wide channels rounded."""
+    settings = dict(key_format="int4", key_symmetric=False, key_block_size=16, key_wide_fraction=0.25, value_bits=3)
+    layer = filled_layer(settings, head_dim=head_dim, batch=1, tokens=100)
+    for e, g in zip(read_out(layer, "torch", monkeypatch), read_out(layer, "native", monkeypatch)):
+        assert torch.equal(e, g)
+
+
+def test_native_serves_the_presets_read_out(monkeypatch):
+    """The native path really runs for float32 CPU outputs (not silently the torch one)."""
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "auto")
+    layer = filled_layer(CONFIGS["compact"], batch=1)
+    codes, scale, zero, wide = layer.key_store.blocks.parts(0, layer.key_store.blocks.length)
+    out = torch.empty(1, 2, codes.tokens, 64)
+    assert native_readout(out, codes, layer.key_store.blocks.spec)
+    assert not native_readout(out.bfloat16(), codes, layer.key_store.blocks.spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "torch")
+    assert not native_readout(out, codes, layer.key_store.blocks.spec)
+
+
+def test_float32_scales_round_as_torch(monkeypatch):
+    """Float32 metadata (wide ranges): ``code * scale`` rounds, then ``+ zero`` rounds again, in both paths."""
+    spec = QuantSpec("int4", "channel", symmetric=False, scale_dtype=torch.float32, block_size=32)
+    x = torch.randn(2, 3, 128, 64) * 1e5
+    scale, zero = compute_scale_zero(x, spec)
+    codes = quantize(x, scale, zero, spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "torch")
+    expected = dequantize(codes, scale, zero, spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "native")
+    assert torch.equal(dequantize(codes, scale, zero, spec), expected)
+
+
+def test_rotated_into_a_slice_of_a_larger_buffer(monkeypatch):
+    """``out`` may be a token slice of the dense tensor (as ``QuantizedKV.dense`` passes it); the rest is untouched."""
+    spec = QuantSpec("int4", "token", 64, symmetric=False, rotated=True, block_size=32)
+    y = rotate(torch.randn(2, 2, 96, 64))
+    scale, zero = compute_scale_zero(y, spec)
+    codes = quantize(y, scale, zero, spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "torch")
+    expected = dequantize_rotated(codes, scale, zero, spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "native")
+    buffer = torch.full((2, 2, 100, 64), 7.0)
+    dequantize_rotated(codes, scale, zero, spec, out=buffer[:, :, 2:98])
+    assert torch.equal(buffer[:, :, 2:98], expected)
+    assert (buffer[:, :, :2] == 7).all() and (buffer[:, :, 98:] == 7).all()
+
+
+def test_strided_codes_are_read_as_they_lie(monkeypatch):
+    """Codes sliced out of a larger capacity along tokens (the stores' buffers) and a reordered batch."""
+    spec = QuantSpec("int3", "channel", symmetric=False, block_size=32)
+    x = torch.randn(3, 2, 128, 64)
+    scale, zero = compute_scale_zero(x, spec)
+    codes = quantize(x, scale, zero, spec)
+    sliced = PackedCodes(codes.data[[2, 0], :, 32:96], codes.bits, codes.layout, codes.block_size)
+    buffer = torch.cat([codes.data, codes.data], dim=2)[:, :, 32:160]  # rows contiguous per (b, h), not dense
+    strided = PackedCodes(buffer, codes.bits, codes.layout, codes.block_size)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "torch")
+    expected = [dequantize(c, scale, zero, spec) for c in (strided,)]
+    expected_sliced = dequantize(sliced, scale[[2, 0], :, 1:3], zero[[2, 0], :, 1:3], spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "native")
+    assert torch.equal(dequantize(strided, scale, zero, spec), expected[0])
+    assert torch.equal(dequantize(sliced, scale[[2, 0], :, 1:3], zero[[2, 0], :, 1:3], spec), expected_sliced)
+
+
+def test_unknown_choice_names_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=r"HF_ASYMKV_CPU_READOUT='fast'.*'auto', 'native', 'torch'"):
+        cpu_readout.requested()
+
+
+def test_native_refuses_what_it_cannot_serve(monkeypatch):
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "native")
+    spec = QuantSpec("int4", "channel", block_size=2)
+    codes = pack_codes(torch.randint(0, 16, (1, 1, 4, 8), dtype=torch.uint8), 4, 2)
+    scale = torch.ones(1, 1, 2, 8, dtype=spec.scale_dtype)
+    with pytest.raises(RuntimeError, match="float32 outputs.*got torch.bfloat16 out"):
+        dequantize(codes, scale, None, spec, dtype=torch.bfloat16)
+
+
+def test_a_build_failure_falls_back_once_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_readout, "_library", lambda: (None, "no C compiler found"))
+    cpu_readout._warn_once.cache_clear()
+    spec = QuantSpec("int4", "channel", block_size=2)
+    codes = pack_codes(torch.randint(0, 16, (1, 1, 4, 8), dtype=torch.uint8), 4, 2)
+    scale = torch.ones(1, 1, 2, 8, dtype=spec.scale_dtype)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "auto")
+    with caplog.at_level("WARNING", logger=cpu_readout.__name__):
+        first = dequantize(codes, scale, None, spec)
+        dequantize(codes, scale, None, spec)
+    assert [r.message.count("no C compiler found") for r in caplog.records] == [1]
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "native")
+    with pytest.raises(RuntimeError, match="cannot be built: no C compiler found"):
+        dequantize(codes, scale, None, spec)
+    monkeypatch.setenv(cpu_readout.ENV_VAR, "torch")
+    assert torch.equal(dequantize(codes, scale, None, spec), first)
