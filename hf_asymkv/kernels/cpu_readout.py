@@ -7,7 +7,7 @@ its output equals torch's bit for bit (``tests/kernels/test_cpu_readout.py``).
 
 The C file ships with the package and is compiled on first use with the system's C compiler (``$CC``, else
 ``cc``/``gcc``; OpenMP, ``-O3 -march=native``) into a cache directory keyed by the source, the compiler, the flags and
-the CPU (``$HF_ASYMKV_NATIVE_DIR``, default ``~/.cache/hf_asymkv/native``), then loaded with :mod:`ctypes`. Writes are
+the CPU (``native/`` in ``$HF_ASYMKV_CACHE``, default ``~/.cache/hf_asymkv``), then loaded with :mod:`ctypes`. Writes are
 atomic (a temporary file renamed into place), so parallel processes may build it at once.
 ``HF_ASYMKV_CPU_READOUT`` chooses, read at every call:
 
@@ -84,10 +84,8 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    if os.environ.get("HF_ASYMKV_NATIVE_DIR"):
-        return Path(os.environ["HF_ASYMKV_NATIVE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hf_asymkv" / "native"
+    """``native/`` in the package's cache folder (``$HF_ASYMKV_CACHE`` or ``~/.cache/hf_asymkv``, as the models)."""
+    return Path(os.environ.get("HF_ASYMKV_CACHE") or Path.home() / ".cache" / "hf_asymkv").expanduser() / "native"
 
 
 def _build(compiler: str) -> Path:

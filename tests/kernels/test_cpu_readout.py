@@ -81,7 +81,7 @@ def read_out(layer, choice: str, monkeypatch) -> list[torch.Tensor]:
 def test_native_read_out_equals_torch_bit_for_bit(settings, monkeypatch):
     layer = filled_layer(settings)
     expected = read_out(layer, "torch", monkeypatch)
-    got = read_out(layer, "auto", monkeypatch)
+    got = read_out(layer, "native", monkeypatch)  # raises where it cannot build: no silent torch-against-torch
     for name, e, g in zip(("K codes", "V codes", "K", "V"), expected, got):
         assert torch.equal(e, g), f"{name}: max difference {(e - g).abs().max().item()}"
 
@@ -182,3 +182,22 @@ def test_a_build_failure_falls_back_once_with_a_warning(monkeypatch, caplog):
         dequantize(codes, scale, None, spec)
     monkeypatch.setenv(cpu_readout.ENV_VAR, "torch")
     assert torch.equal(dequantize(codes, scale, None, spec), first)
+
+
+def test_build_writes_one_library_and_no_leftovers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ASYMKV_CACHE", str(tmp_path))
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    built = cpu_readout._build(compiler)
+    assert built.parent == tmp_path / "native" and built.suffix == ".so"
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [built.name]
+    assert cpu_readout._build(compiler) == built  # cached: the same file, not rebuilt
+
+
+def test_a_failing_compiler_names_itself_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ASYMKV_CACHE", str(tmp_path))
+    failing = tmp_path / "broken-cc"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo broken 1.0 && exit 0\necho 'no such flag' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match="broken-cc failed to compile cpu_readout.c: no such flag"):
+        cpu_readout._build(str(failing))
+    assert list((tmp_path / "native").iterdir()) == []
