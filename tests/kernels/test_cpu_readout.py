@@ -13,12 +13,15 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from hf_asymkv import AsymKVCache, AsymKVConfig
 from hf_asymkv.core.packing import PackedCodes, pack_codes
 from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, native_readout, quantize
 from hf_asymkv.core.rotation import dequantize_rotated, rotate
+from hf_asymkv.core.store import encode_blocks, stored_form
 from hf_asymkv.kernels import cpu_readout
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -201,3 +204,52 @@ def test_a_failing_compiler_names_itself_and_leaves_nothing(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="broken-cc failed to compile cpu_readout.c: no such flag"):
         cpu_readout._build(str(failing))
     assert list((tmp_path / "native").iterdir()) == []
+
+
+FORMAT_CASES = [(bits, granularity, symmetric, scale_dtype, variant)
+                for bits in (2, 3, 4, 5, 6, 8) for granularity in ("channel", "token", "tensor")
+                for symmetric in (True, False) for scale_dtype in (torch.float16, torch.bfloat16, torch.float32)
+                for variant in ("plain", "rotated", "wide")
+                if variant == "plain" or variant == "rotated" and granularity == "token"
+                or variant == "wide" and granularity == "channel" and bits <= 4]
+
+
+def _case_id(case) -> str:
+    bits, granularity, symmetric, scale_dtype, variant = case
+    return f"int{bits}-{granularity}-{'sym' if symmetric else 'asym'}-{str(scale_dtype)[6:]}-{variant}"
+
+
+@st.composite
+def blocks_of(draw, bits: int, granularity: str, symmetric: bool, scale_dtype: torch.dtype, variant: str):
+    """A spec of the given format with a random block, head_dim, group, wide share, and whole blocks of K/V at a
+    random magnitude with an outlier channel: ``(spec, x)``."""
+    head_dim = draw(st.sampled_from([8, 16, 24, 32, 40, 64, 96, 128]))
+    rotated = variant == "rotated"
+    group = head_dim if rotated or granularity != "token" else draw(st.sampled_from(
+        [g for g in (4, 8, 16, head_dim) if head_dim % g == 0]))
+    wide = draw(st.sampled_from([0.1, 0.25, 0.5])) if variant == "wide" else 0.0
+    block = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]))
+    spec = QuantSpec(f"int{bits}", granularity, group, symmetric=symmetric, scale_dtype=scale_dtype,
+                     rotated=rotated, block_size=block, wide_fraction=wide)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), block * draw(st.integers(1, 4)), head_dim)
+    x = torch.randn(shape, generator=g) * 10.0 ** draw(st.integers(-3, 3))
+    x[..., draw(st.integers(0, head_dim - 1))] *= 30
+    return spec, x
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=_case_id)
+@settings(max_examples=5, deadline=None)
+@given(data=st.data())
+def test_every_format_reads_out_bit_for_bit(case, data):
+    """Every integer format x granularity x symmetry x metadata dtype (x rotation, x wide channels), random shapes."""
+    spec, x = data.draw(blocks_of(*case))
+    codes, scale, zero, wide = encode_blocks(stored_form(x, spec, clean=True), spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_readout.ENV_VAR, "torch")
+        expected = (dequantize_rotated(codes, scale, zero, spec) if spec.rotated
+                    else dequantize(codes, scale, zero, spec, wide=wide))
+        patch.setenv(cpu_readout.ENV_VAR, "native")
+        got = (dequantize_rotated(codes, scale, zero, spec) if spec.rotated
+               else dequantize(codes, scale, zero, spec, wide=wide))
+    assert torch.equal(got, expected), f"{spec}: max difference {(got - expected).abs().max().item()}"
