@@ -3,8 +3,9 @@
  * The torch read-out of a quantized region (hf_asymkv/core/quant.py `dequantize`, hf_asymkv/core/rotation.py
  * `dequantize_rotated`) makes four to six passes over the region: unpack the bit-planes into bytes, fold in the wide
  * channels' high bits, convert to float, scale (and shift), and for rotated values an int8 matmul by the Hadamard
- * signs. This file does all of it per token while the token's codes sit in a small buffer, with the same arithmetic
- * and the same roundings, so its output equals torch's bit for bit (tests/kernels/test_cpu_readout.py):
+ * signs. This file does all of it per block of tokens (32 rows, or one packed block) while the block's codes sit in a
+ * small int16 buffer, with the same arithmetic and the same roundings, so its output equals torch's bit for bit
+ * (tests/kernels/test_cpu_readout.py):
  *
  *   - codes: the token's integer codes (unpacked, the symmetric storage offset removed, wide high bits added);
  *   - plain:   out = code * scale             (symmetric)
@@ -13,7 +14,8 @@
  *              the product of a code of <= 8 bits and a half-precision scale is exact, so these differ only for
  *              float32 scales (wide-range metadata), where each matches what torch does;
  *   - rotated: out = (code S^T) * row_scale, then out[first column of each Hadamard block] += row_zero, where
- *              code S^T is exact in int32 (a fast Walsh-Hadamard transform, Sylvester order, per block), and
+ *              code S^T is exact (a fast Walsh-Hadamard transform, Sylvester order, per Hadamard block: in int16
+ *              vector lanes where hb * max|code| < 2 ** 15, else in int32 one token at a time), and
  *              row_scale = scale / sqrt(block), row_zero = zero * sqrt(block) come from torch (rotation.py).
  *
  * Build with -ffp-contract=off: the compiler must fuse no multiply-add on its own, where torch rounds twice.

@@ -67,12 +67,10 @@ def stages(preset: str, length: int, repeats: int) -> list[tuple[str, str, float
         if spec.rotated:
             rows.append((label, "dequantize rotated back (the read-out)",
                          best_us(lambda: dequantize_rotated(codes, scale, zero, spec), repeats)))
-        os.environ[cpu_readout.ENV_VAR] = "native"
-        if spec.rotated:
-            native = best_us(lambda: dequantize_rotated(codes, scale, zero, spec), repeats)
-        else:
-            native = best_us(lambda: dequantize(codes, scale, zero, spec, wide=wide), repeats)
-        rows.append((label, "**native read-out (one pass, the same bits)**", native))
+        os.environ[cpu_readout.ENV_VAR] = "native"  # the same call as the torch read-out's last row above
+        read_out = (lambda: dequantize_rotated(codes, scale, zero, spec)) if spec.rotated else (
+            lambda: dequantize(codes, scale, zero, spec, wide=wide))
+        rows.append((label, "**native read-out (one pass, the same bits)**", best_us(read_out, repeats)))
         os.environ[cpu_readout.ENV_VAR] = "torch"
     return rows
 

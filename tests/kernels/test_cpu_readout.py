@@ -68,13 +68,7 @@ def filled_layer(settings: dict, head_dim: int = 64, batch: int = 2, tokens: int
 def read_out(layer, choice: str, monkeypatch) -> list[torch.Tensor]:
     """Each store's whole quantized region read out, then one more decode step's dense K and V (on a copy)."""
     monkeypatch.setenv(cpu_readout.ENV_VAR, choice)
-    regions = []
-    for store in (layer.key_store, layer.value_store):
-        codes, scale, zero, wide = store.blocks.parts(0, store.blocks.length)
-        if store.spec.rotated:
-            regions.append(dequantize_rotated(codes, scale, zero, store.spec))
-        else:
-            regions.append(dequantize(codes, scale, zero, store.spec, wide=wide))
+    regions = [store.blocks.decode(0, store.blocks.length, torch.float32) for store in (layer.key_store, layer.value_store)]
     step = torch.randn(2, regions[0].shape[0], 2, 1, regions[0].shape[-1],
                        generator=torch.Generator().manual_seed(1))
     return regions + list(copy.deepcopy(layer).update(*step))
@@ -245,11 +239,15 @@ def test_every_format_reads_out_bit_for_bit(case, data):
     """Every integer format x granularity x symmetry x metadata dtype (x rotation, x wide channels), random shapes."""
     spec, x = data.draw(blocks_of(*case))
     codes, scale, zero, wide = encode_blocks(stored_form(x, spec, clean=True), spec)
+
+    def read() -> torch.Tensor:
+        if spec.rotated:
+            return dequantize_rotated(codes, scale, zero, spec)
+        return dequantize(codes, scale, zero, spec, wide=wide)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu_readout.ENV_VAR, "torch")
-        expected = (dequantize_rotated(codes, scale, zero, spec) if spec.rotated
-                    else dequantize(codes, scale, zero, spec, wide=wide))
+        expected = read()
         patch.setenv(cpu_readout.ENV_VAR, "native")
-        got = (dequantize_rotated(codes, scale, zero, spec) if spec.rotated
-               else dequantize(codes, scale, zero, spec, wide=wide))
+        got = read()
     assert torch.equal(got, expected), f"{spec}: max difference {(got - expected).abs().max().item()}"
