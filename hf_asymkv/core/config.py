@@ -121,7 +121,8 @@ class AsymKVConfig:
 
     Args:
         key_format: one of :data:`KEY_FORMATS`; ``int8`` by default (measured, see README).
-        value_bits: one of :data:`VALUE_BITS`.
+        value_bits: one of :data:`VALUE_BITS`. 1 stores each group's elements as one of two levels fitted to it
+            (2-means, see :func:`~hf_asymkv.core.quant.compute_scale_zero`): asymmetric, per token or channel only.
         value_group_size: channels per V scale; must divide every quantized layer's head_dim. ``None``: the
             largest such divisor <= 128 (``min(head_dim, 128)`` for the usual head dims 64/128/256).
         key_block_size: tokens per quantized block; K per-channel scales are per block.
@@ -185,6 +186,10 @@ class AsymKVConfig:
         if not self.key_symmetric and self.key_format.startswith("fp8"):
             raise ValueError(f"key_symmetric=False needs an integer key_format, got {self.key_format!r} (float "
                              "formats are symmetric).")
+        if self.value_bits == 1 and (self.value_symmetric or self.value_granularity == "tensor"):
+            raise ValueError(f"value_bits=1 needs asymmetric values per 'token' or 'channel' (two fitted levels per "
+                             f"group); got value_symmetric={self.value_symmetric}, "
+                             f"value_granularity={self.value_granularity!r}.")
         wide = self.key_wide_fraction
         if isinstance(wide, bool) or not isinstance(wide, (int, float)) or not 0 <= wide < 1:
             raise ValueError(f"key_wide_fraction must be a number in [0, 1), got {wide!r}.")

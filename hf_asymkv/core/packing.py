@@ -1,6 +1,6 @@
 """Sub-byte code packing and :class:`PackedCodes`, the stored codes that know how they were packed.
 
-Codes of 2 to 6 bits are stored ``bits / 8`` bytes per element, split into bit-planes whose widths divide 8
+Codes of 1 to 6 bits are stored ``bits / 8`` bytes per element, split into bit-planes whose widths divide 8
 (:func:`plane_widths`: 3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2). Two layouts, recorded in :attr:`PackedCodes.layout`:
 
 - ``"tokens"``: each block of ``block_size`` tokens is packed along the token axis. A block's codes
@@ -49,7 +49,7 @@ def packs_tokens(bits: int, block_size: int, tokens: int | None = None) -> bool:
     """Whether :func:`pack_codes` packs ``bits``-wide codes of ``tokens`` tokens along the token axis.
 
     Yes for sub-byte codes in blocks of ``block_size`` > 1 tokens that every bit-plane divides (a multiple of
-    ``8 // min(plane_widths(bits))``: 2 for 4 bits, 4 for 2 and 6 bits, 8 for 3 and 5 bits) when ``tokens`` is
+    ``8 // min(plane_widths(bits))``: 2 for 4 bits, 4 for 2 and 6 bits, 8 for 1, 3 and 5 bits) when ``tokens`` is
     a whole number of blocks (or not given); otherwise codes pack along ``head_dim`` (:func:`pack_bits`).
     """
     if bits >= 8 or block_size < 2 or block_size % (8 // min(plane_widths(bits))):

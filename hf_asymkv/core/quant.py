@@ -15,7 +15,7 @@ Granularities (``token_group`` x ``channel_group`` elements share a scale):
 - ``"tensor"``: one scale per block of tokens for all heads and channels (the per-tensor baseline, made
   append-only by giving each block its own scale).
 
-Sub-byte codes (2 to 6 bits) are packed by :mod:`hf_asymkv.core.packing`; :func:`quantize` returns them as
+Sub-byte codes (1 to 6 bits) are packed by :mod:`hf_asymkv.core.packing`; :func:`quantize` returns them as
 :class:`~hf_asymkv.core.packing.PackedCodes`, which records whether their bytes run along each block's tokens or
 along ``head_dim``, so no reader ever infers it.
 """
@@ -58,6 +58,7 @@ FORMATS: dict[str, tuple[int, bool]] = {
     "int4": (4, False),
     "int3": (3, False),
     "int2": (2, False),
+    "int1": (1, False),
     "fp8_e4m3": (8, True),
     "fp8_e5m2": (8, True),
 }
@@ -110,6 +111,9 @@ class QuantSpec:
             raise ValueError(f"'token' granularity needs a positive group_size, got {self.group_size!r}.")
         if self.is_float and not self.symmetric:
             raise ValueError(f"Float format {self.fmt!r} is symmetric only; got symmetric=False.")
+        if self.bits == 1 and (self.symmetric or self.granularity == "tensor"):
+            raise ValueError("int1 codes are asymmetric, per 'token' or 'channel' (two levels fitted to each group); "
+                             f"got symmetric={self.symmetric}, granularity={self.granularity!r}.")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}.")
         wide = self.wide_fraction
@@ -196,6 +200,9 @@ def scale_from_absmax(amax: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero for asymmetric specs) for ``x``.
 
+    1-bit codes (``int1``, asymmetric only) get no range: their two levels (``zero`` and ``zero + scale``) are
+    fitted to the group by :func:`_two_means`.
+
     Non-finite elements count as 0 when measuring the range: they never widen it beyond 0, and a group that has
     one always covers 0, so NaN (encoded as the value 0) decodes to within half a step of 0 and +-inf saturate
     to the group's extremes in :func:`quantize`.
@@ -217,6 +224,8 @@ def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
         if spec.granularity == "tensor":
             amax = amax.amax(dim=1, keepdim=True).expand_as(amax)
         return scale_from_absmax(amax, spec)[:, :, :, 0, :, 0], None
+    if spec.bits == 1:
+        return _two_means(g, spec)
     lo = g.amin(dim=(3, 5), keepdim=True)
     hi = g.amax(dim=(3, 5), keepdim=True)
     if spec.granularity == "tensor":
@@ -224,6 +233,36 @@ def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
         hi = hi.amax(dim=1, keepdim=True).expand_as(hi)
     zero = round_down(lo, spec.scale_dtype)
     scale = round_up(((hi - zero.float()) / spec.qmax).clamp(min=tiny), spec.scale_dtype)
+    return scale[:, :, :, 0, :, 0], zero[:, :, :, 0, :, 0]
+
+
+TWO_MEANS_STEPS = 3
+"""Lloyd steps of the 1-bit encoder (:func:`_two_means`); the levels move by < 1% of their gap after 3 on
+Gaussian-like groups (rotated values)."""
+
+
+def _two_means(g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of 1-bit codes: the two levels of each group (``zero`` and ``zero + scale``) are the means
+    of its elements below and above a threshold, the threshold starting at the group mean and moved to the
+    levels' midpoint :data:`TWO_MEANS_STEPS` times (Lloyd's algorithm for two levels, the least squared error a
+    1-bit code with two free levels can reach from that start). A min-max range would put both levels at the
+    extremes and decode every ordinary element a half range off.
+
+    ``g`` is ``[B, H, N, tg, M, cg]`` float32 (non-finite elements already 0); returns ``[B, H, N, M]`` each, in
+    ``spec.scale_dtype``, rounded to nearest (a 1-bit code saturates by design: no range to keep)."""
+    dims = (3, 5)
+    threshold = g.mean(dim=dims, keepdim=True)
+    for _ in range(TWO_MEANS_STEPS):
+        upper = g > threshold
+        n_up = upper.sum(dim=dims, keepdim=True)
+        n_low = upper.numel() // n_up.numel() - n_up
+        sum_up = torch.where(upper, g, 0.0).sum(dim=dims, keepdim=True)
+        high = torch.where(n_up > 0, sum_up / n_up.clamp(min=1), threshold)
+        low = torch.where(n_low > 0, (g.sum(dim=dims, keepdim=True) - sum_up) / n_low.clamp(min=1), threshold)
+        threshold = (low + high) / 2
+    tiny = torch.finfo(spec.scale_dtype).tiny
+    zero = low.to(spec.scale_dtype)
+    scale = (high - zero.float()).clamp(min=tiny).to(spec.scale_dtype)
     return scale[:, :, :, 0, :, 0], zero[:, :, :, 0, :, 0]
 
 

@@ -10,7 +10,7 @@ __all__ = ["KEY_FORMATS", "LAYER_SETTINGS", "OVERFLOW_POLICIES", "PRESET_NAMES",
 
 KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "int3", "int2")
 """Key storage formats: 8-bit (int8 by measurement, see README) for use; 4/3/2-bit for ablations and presets."""
-VALUE_BITS = (2, 3, 4, 5, 6, 8)
+VALUE_BITS = (1, 2, 3, 4, 5, 6, 8)
 """Value code widths (asymmetric integer, scale + zero per group, unless ``value_symmetric``); 3, 5 and 6 bits
 are packed as two bit-plane sets (exactly ``bits / 8`` bytes per value)."""
 OVERFLOW_POLICIES = ("widen", "clip", "error")

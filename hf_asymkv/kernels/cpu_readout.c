@@ -38,7 +38,7 @@ typedef struct {
     float *out;                   /* [B, H, T, D] float32; rows of a (b, h) are contiguous */
     int64_t out_stride_b, out_stride_h;
     int64_t batch, heads, tokens, head_dim;
-    int64_t bits;                 /* 2 to 8 */
+    int64_t bits;                 /* 1 to 8 */
     int64_t tokens_layout;        /* 1: "tokens", 0: "head_dim" */
     int64_t block_size;           /* tokens per packed block ("tokens" layout) and per wide-channel choice */
     int64_t signed_bytes;         /* 8-bit codes stored as int8 */
@@ -317,7 +317,7 @@ static void write_rotated(const asymkv_readout *p, int64_t b, int64_t h, int64_t
 /* Returns 0, or 1 for arguments this file cannot read (the caller checks them first; this is a last guard). */
 int asymkv_readout_run(const asymkv_readout *p) {
     int64_t d = p->head_dim;
-    if (p->bits < 2 || p->bits > 8 || d < 1 || d > 4096 || (p->tokens_layout && p->tokens % p->block_size) ||
+    if (p->bits < 1 || p->bits > 8 || d < 1 || d > 4096 || (p->tokens_layout && p->tokens % p->block_size) ||
         (p->hadamard && (p->hadamard & (p->hadamard - 1) || d % p->hadamard)) ||
         (!p->hadamard && (p->token_group < 1 || p->channel_group < 1 || d % p->channel_group ||
                           p->tokens % p->token_group)))

@@ -158,7 +158,7 @@ def use_native(out: torch.Tensor, codes: torch.Tensor, bits: int, head_dim: int)
     if choice == "torch":
         return False
     servable = (out.device.type == "cpu" and codes.device.type == "cpu" and out.dtype == torch.float32
-                and codes.dtype in (torch.uint8, torch.int8) and 2 <= bits <= 8 and head_dim <= MAX_HEAD_DIM
+                and codes.dtype in (torch.uint8, torch.int8) and 1 <= bits <= 8 and head_dim <= MAX_HEAD_DIM
                 and _contiguous_rows(out) and not torch.compiler.is_compiling())
     if not servable:
         if choice == "native" and not torch.compiler.is_compiling():

@@ -131,8 +131,8 @@ def _codes_problem(kind: str, stored: StoredCodes, head_dim: int) -> str | None:
         return None if stored.bits == 8 and stored.symmetric else f"{kind}: fp8 codes must be 8-bit symmetric"
     if stored.codes.dtype not in (torch.int8, torch.uint8):
         return f"{kind} codes of dtype {stored.codes.dtype} (int8, uint8 or float8 expected)"
-    if stored.bits != 8 and (stored.bits < 2 or len(plane_sets(stored.bits)) > 2):
-        return f"{kind} codes of {stored.bits} bits (2, 3, 4, 5, 6 and 8 are served)"
+    if stored.bits != 8 and len(plane_sets(stored.bits)) > 2:
+        return f"{kind} codes of {stored.bits} bits (1 to 6 and 8 are served)"
     if stored.bits < 8 and stored.layout not in LAYOUTS:
         return f"{kind} codes packed along {stored.layout!r} (one of {list(LAYOUTS)} expected)"
     if stored.bits < 8 and stored.layout == "tokens":

@@ -39,8 +39,9 @@ from hf_asymkv.core.quant import (
 
 INF, NAN = math.inf, math.nan
 
-# (fmt, symmetric) pairs a QuantSpec accepts: float formats are symmetric only.
-FMT_SYM = [(f, s) for f in FORMATS for s in (True, False) if s or not FORMATS[f][1]]
+# (fmt, symmetric) pairs a QuantSpec accepts: float formats are symmetric only. int1 (asymmetric, no range: two
+# fitted levels) keeps none of the range invariants below and has its own section (1b).
+FMT_SYM = [(f, s) for f in FORMATS for s in (True, False) if (s or not FORMATS[f][1]) and f != "int1"]
 FMT_SYM_IDS = [f if s else f"{f}-asym" for f, s in FMT_SYM]
 ALL_SPECS = [(f, s, g) for (f, s) in FMT_SYM for g in GRANULARITIES]
 ALL_SPEC_IDS = [f"{f if s else f + '-asym'}-{g}" for f, s, g in ALL_SPECS]
@@ -229,6 +230,66 @@ def test_scale_from_absmax_hand():
     spec = QuantSpec("int8", "channel", scale_dtype=torch.bfloat16)
     amax = torch.tensor([1.0, 127 / 64, 0.0, 6.0])
     assert scale_from_absmax(amax, spec).tolist() == [65 / 8192, 1 / 64, torch.finfo(torch.bfloat16).tiny, 97 / 2048]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1b. int1: two levels fitted to each group (2-means), no range
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_int1_two_clusters_decode_to_their_means():
+    """A group of two clusters decodes every element to its cluster's mean, whatever the clusters' spreads."""
+    low, high = [-1.25, -0.75, -1.0, -1.0, -1.5], [2.0, 3.0]  # means -1.1 and 2.5, far apart
+    row = torch.tensor(low + high + [-0.5])  # 8 channels; -0.5 is nearer the low mean
+    spec = make_spec("int1", False, "token", group_size=8)
+    scale, zero, codes, deq = roundtrip(row.view(1, 1, 1, 8), spec, block_size=8)
+    low_mean = (sum(low) - 0.5) / 6
+    assert int_codes(codes, spec).flatten().tolist() == [0] * 5 + [1, 1, 0]
+    assert zero.item() == torch.tensor(low_mean).half().item()
+    assert (zero + scale).float().item() == pytest.approx(2.5, abs=2e-3)  # float16 rounding of the levels
+    assert torch.equal(deq.flatten(), torch.tensor([zero.item()] * 5 + [(zero + scale).item()] * 2 + [zero.item()]))
+
+
+@pytest.mark.parametrize("granularity", ["token", "channel"])
+def test_int1_error_near_the_gaussian_optimum(granularity):
+    """Two levels fitted to Gaussian groups leave ~1 - 2/pi (0.363) of the variance, the optimum for a 1-bit code
+    (Lloyd-Max); a min-max range with the same two codes would leave far more."""
+    x = torch.randn(1, 2, 256, 64, generator=torch.Generator().manual_seed(0))
+    spec = make_spec("int1", False, granularity, group_size=64)
+    _, _, _, deq = roundtrip(x, spec, block_size=64)
+    relative = ((deq - x).pow(2).sum() / x.pow(2).sum()).item()
+    assert 0.34 < relative < 0.40
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)  # per-token min-max, what int2+ codes use
+    minmax = torch.where(x - lo > hi - x, hi, lo) if granularity == "token" else None
+    if minmax is not None:
+        assert ((minmax - x).pow(2).sum() / x.pow(2).sum()).item() > 2 * relative
+
+
+def test_int1_constant_and_special_groups():
+    """A constant group decodes exactly (one level, the other unused); +-inf take the group's upper / lower level,
+    NaN counts as 0 (the level nearer 0); every decoded value is finite. (Groups of 4, two per 8-channel row: 1-bit
+    codes pack 8 to a byte.)"""
+    spec = make_spec("int1", False, "token", group_size=4)
+    x = torch.tensor([[[[0.75, 0.75, 0.75, 0.75, 1.0, -1.0, INF, -INF], [NAN, 4.0, 2.0, -3.0, 0, 0, 0, 0]]]])
+    scale, zero, codes, deq = roundtrip(x, spec, block_size=1)
+    assert torch.isfinite(deq).all() and (scale > 0).all()
+    assert deq[0, 0, 0, :4].tolist() == [0.75] * 4
+    group = deq[0, 0, 0, 4:]
+    assert group[2] == group.max() and group[3] == group.min() and group[2] > group[3]
+    assert deq[0, 0, 1, 0] == deq[0, 0, 1, 3]  # NaN -> 0 -> with -3 in the lower cluster ({-3, 0} vs {2, 4})
+    assert deq[0, 0, 1, 4:].tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_int1_codes_pack_along_tokens_and_head_dim(scale_dtype):
+    """8 codes per byte, in token-packed blocks (multiples of 8 tokens) or along head_dim; both decode alike."""
+    x = torch.randn(2, 2, 16, 64, generator=torch.Generator().manual_seed(1))
+    spec = make_spec("int1", False, "token", group_size=64, scale_dtype=scale_dtype)
+    *_, codes, deq = roundtrip(x, spec, block_size=8)
+    *_, flat, flat_deq = roundtrip(x, spec, block_size=1)
+    assert codes.layout == "tokens" and flat.layout == "head_dim"
+    assert codes.data.shape[-1] == flat.data.shape[-1] == 8  # 64 channels / 8
+    assert torch.equal(deq, flat_deq)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -484,8 +545,11 @@ def test_metadata_rounding_never_clips(fmt, symmetric, granularity, scale_dtype)
 @st.composite
 def spec_and_shape(draw):
     fmt = draw(st.sampled_from(list(FORMATS)))
-    symmetric = FORMATS[fmt][1] or draw(st.booleans())
-    granularity = draw(st.sampled_from(GRANULARITIES))
+    if fmt == "int1":  # asymmetric, per token or channel only
+        symmetric, granularity = False, draw(st.sampled_from(["token", "channel"]))
+    else:
+        symmetric = FORMATS[fmt][1] or draw(st.booleans())
+        granularity = draw(st.sampled_from(GRANULARITIES))
     head_dim = 8 * draw(st.integers(1, 4))
     group_size = draw(st.sampled_from([g for g in range(1, head_dim + 1) if head_dim % g == 0]))
     block = draw(st.sampled_from([1, 2, 4, 8]))
@@ -674,7 +738,7 @@ def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
     "kwargs,match",
     [
         (dict(fmt="int7", granularity="channel"),
-         r"'int7'.*allowed: \['fp8_e4m3', 'fp8_e5m2', 'int2', 'int3', 'int4', 'int5', 'int6', 'int8'\]"),
+         r"'int7'.*allowed: \['fp8_e4m3', 'fp8_e5m2', 'int1', 'int2', 'int3', 'int4', 'int5', 'int6', 'int8'\]"),
         (dict(fmt="int8", granularity="row"), r"'row'.*allowed: \['channel', 'token', 'tensor'\]"),
         (dict(fmt="int4", granularity="token"), r"'token' granularity needs a positive group_size, got None"),
         (dict(fmt="int4", granularity="token", group_size=0), r"positive group_size, got 0"),
@@ -683,9 +747,11 @@ def test_dequantize_sub_byte_is_exact(fmt, granularity, group, d, symmetric):
         (dict(fmt="fp8_e5m2", granularity="token", group_size=32, symmetric=False),
          r"'fp8_e5m2' is symmetric only"),
         (dict(fmt="int8", granularity="channel", block_size=0), r"block_size must be an int >= 1, got 0"),
+        (dict(fmt="int1", granularity="token", group_size=8), r"int1 codes are asymmetric.*symmetric=True"),
+        (dict(fmt="int1", granularity="tensor", symmetric=False), r"int1 codes.*granularity='tensor'"),
     ],
     ids=["unknown-fmt", "unknown-granularity", "token-no-group", "token-group-0", "asym-e4m3", "asym-e5m2",
-         "block-0"],
+         "block-0", "int1-symmetric", "int1-tensor"],
 )
 def test_quantspec_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):

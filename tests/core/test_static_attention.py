@@ -21,6 +21,8 @@ CONFIGS = {  # the presets' formats, and the other kinds of scales the fused pat
     "balanced": AsymKVConfig(**SMALL),
     "compact": AsymKVConfig(key_format="int4", key_symmetric=False, value_bits=3, **SMALL),
     "max": AsymKVConfig(key_format="int2", key_symmetric=False, value_bits=2, **SMALL),
+    "int1-values": AsymKVConfig(key_format="int3", key_symmetric=False, key_wide_fraction=0.25, value_bits=1,
+                                **SMALL),
     "quality": AsymKVConfig(value_bits=6, **SMALL),
     "fp8-keys-grouped-values": AsymKVConfig(key_format="fp8_e4m3", value_group_size=8, value_rotation=False, **SMALL),
     "rotated-token-keys": AsymKVConfig(key_format="int4", key_granularity="token", key_rotation=True, **SMALL),

@@ -18,10 +18,11 @@ PAD = 13  # left padding of batch row 1 (columns hidden from every query of that
 
 
 def formats() -> dict[str, tuple[AsymKVConfig, int]]:
-    """Every preset's key/value formats, plus fp8 keys: ``{id: (config, block_size)}``."""
+    """Every preset's key/value formats, plus fp8 keys and 1-bit values: ``{id: (config, block_size)}``."""
     configs = {name: config for name, config in PRESETS.items()}
     for fmt in ("fp8_e4m3", "fp8_e5m2"):
         configs[f"{fmt}-keys"] = PRESETS["balanced"].replace(key_format=fmt)
+    configs["int1-values"] = PRESETS["tight"].replace(key_wide_fraction=0.25, value_bits=1)
     return {name: (config, config.key_block_size) for name, config in configs.items()}
 
 

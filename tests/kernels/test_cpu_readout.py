@@ -35,6 +35,9 @@ CONFIGS = {
                     value_bits=3, residual_length=32),
     "tight": dict(key_format="int3", key_symmetric=False, key_block_size=64, value_bits=2, residual_length=32),
     "max": dict(key_format="int2", key_symmetric=False, key_block_size=32, value_bits=2),
+    "1-bit values": dict(key_format="int3", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25,
+                         value_bits=1, residual_length=32),
+    "1-bit plain values per 8 channels": dict(value_rotation=False, value_group_size=8, value_bits=1),
     "wide symmetric int3": dict(key_format="int3", key_block_size=32, key_wide_fraction=0.3, value_bits=5),
     "wide int2": dict(key_format="int2", key_symmetric=False, key_block_size=16, key_wide_fraction=0.1),
     "int8 asymmetric keys, int8 values": dict(key_symmetric=False, value_bits=8, key_block_size=16),
@@ -201,11 +204,12 @@ def test_a_failing_compiler_names_itself_and_leaves_nothing(tmp_path, monkeypatc
 
 
 FORMAT_CASES = [(bits, granularity, symmetric, scale_dtype, variant)
-                for bits in (2, 3, 4, 5, 6, 8) for granularity in ("channel", "token", "tensor")
+                for bits in (1, 2, 3, 4, 5, 6, 8) for granularity in ("channel", "token", "tensor")
                 for symmetric in (True, False) for scale_dtype in (torch.float16, torch.bfloat16, torch.float32)
                 for variant in ("plain", "rotated", "wide")
-                if variant == "plain" or variant == "rotated" and granularity == "token"
-                or variant == "wide" and granularity == "channel" and bits <= 4]
+                if (variant == "plain" or variant == "rotated" and granularity == "token"
+                    or variant == "wide" and granularity == "channel" and 1 < bits <= 4)
+                and not (bits == 1 and (symmetric or granularity == "tensor"))]  # int1: asymmetric, token/channel
 
 
 def _case_id(case) -> str:
