@@ -41,9 +41,10 @@ SENSITIVITY_VERSION = 1
 KEY_WIDTHS: dict[str, dict] = {name: {**settings, "key_wide_fraction": settings.get("key_wide_fraction", 0.0)} for
                                name, settings in {
     "int2-b64": dict(key_format="int2", key_symmetric=False, key_block_size=64),
-    "int2": dict(key_format="int2", key_symmetric=False, key_block_size=32),  # max's keys
+    "int2": dict(key_format="int2", key_symmetric=False, key_block_size=32),  # max's keys before 2026-12-05
     "int3-b128": dict(key_format="int3", key_symmetric=False, key_block_size=128),
     "int3": dict(key_format="int3", key_symmetric=False, key_block_size=64),  # tight's keys
+    "int3w": dict(key_format="int3", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25),  # max's
     "int4-b128": dict(key_format="int4", key_symmetric=False, key_block_size=128),
     "int4": dict(key_format="int4", key_symmetric=False, key_block_size=64),
     "int4w": dict(key_format="int4", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25),  # compact's
@@ -51,9 +52,9 @@ KEY_WIDTHS: dict[str, dict] = {name: {**settings, "key_wide_fraction": settings.
 }.items()}
 """Key settings compared per layer, by name: the presets' per-channel keys, and the same codes in longer blocks
 (fewer scale bytes), so that an allocation can also pay for protection by cheapening insensitive layers. Each names
-``key_wide_fraction`` (0 but for ``int4w``), so that a layer override never inherits the preset's wide channels
+``key_wide_fraction`` (0 but for ``int4w`` and ``int3w``), so that a layer override never inherits the preset's wide channels
 for a format that has none."""
-VALUE_WIDTHS: dict[str, dict] = {f"v{bits}": dict(value_bits=bits) for bits in (2, 3, 4, 8)}
+VALUE_WIDTHS: dict[str, dict] = {f"v{bits}": dict(value_bits=bits) for bits in (1, 2, 3, 4, 8)}
 """Value settings compared per layer (per-token groups, rotated as in every preset)."""
 _EXACT = 1 << 30  # a window longer than any prompt: that layer keeps its whole history exact
 

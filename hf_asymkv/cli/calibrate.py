@@ -142,7 +142,7 @@ def add_parser(sub) -> None:
     p.add_argument("--sensitivity-tokens", type=at_least(2, zero_ok=True), default=0,
                    help="also measure each layer's sensitivity on this many tokens of the first sample (the attention "
                    "KL its keys and values cost at each width, written as <out stem>.sensitivity.json for per-layer "
-                   "allocation; about 11 extra passes per layer, e.g. 2048; default 0: not measured)")
+                   "allocation; about 14 extra passes per layer, e.g. 2048; default 0: not measured)")
     p.add_argument("--quiet", action="store_true", help="no progress bar (a line about once a minute still says "
                    "where the run is)")
     p.set_defaults(func=_cmd_calibrate)

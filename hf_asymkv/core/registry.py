@@ -39,9 +39,12 @@ PRESET_SETTINGS: dict[str, dict] = {
     # just under 5x for far less damage than max: int3 keys in 64-token blocks, 2-bit rotated values, window 32
     "tight": dict(key_format="int3", key_symmetric=False, key_block_size=64, value_bits=2, value_rotation=True,
                   sink_tokens=4, residual_length=32),
-    # >= 5x, lossy: int2 keys in 32-token blocks, 2-bit rotated values
-    "max": dict(key_format="int2", key_symmetric=False, key_block_size=32, value_bits=2, value_rotation=True,
-                sink_tokens=4, residual_length=64),
+    # >= 5x, lossy: tight's keys with a fourth bit on each block's widest quarter of channels, paid for by 1-bit
+    # rotated values (two fitted levels per token); against the int2-key / 2-bit-value max before 2026-12-05 it is
+    # smaller (5.6x vs 5.2x) with 2.3x less attention KL and 1 stress needle prompt lost instead of 5
+    # (results/value_bits/stress_qwen_max.md)
+    "max": dict(key_format="int3", key_symmetric=False, key_block_size=64, key_wide_fraction=0.25, value_bits=1,
+                value_rotation=True, sink_tokens=4, residual_length=32),
 }
 PRESET_NAMES = tuple(PRESET_SETTINGS)
 """The presets, least compressed first: ``AsymKVCache.from_preset(name, ...)``, scheme ``asymkv-<name>``."""

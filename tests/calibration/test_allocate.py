@@ -20,7 +20,11 @@ def test_width_bits_count_codes_and_scales():
     assert width_bits(KEY_WIDTHS["int4"], 64) == 4 + 32 / 64  # scale and zero per (channel, 64-token block)
     assert width_bits(KEY_WIDTHS["int8"], 64) == 8 + 16 / 128  # symmetric: scale only
     assert width_bits(VALUE_WIDTHS["v2"], 64) == 2 + 32 / 64  # scale and zero per token and 64-channel group
-    assert preset_bits(PRESETS["max"], 64) == (3 + 2.5) / 2
+    assert preset_bits(PRESETS["tight"], 64) == (3.5 + 2.5) / 2
+    assert width_bits(VALUE_WIDTHS["v1"], 64) == 1 + 32 / 64
+    # max's keys: tight's with a high-bit byte per token for 16 of 64 channels and 16 one-byte indices per block
+    assert width_bits(KEY_WIDTHS["int3w"], 64) == 3 + 32 / 64 + 8 / 64 * 2 + 16 * 8 / (64 * 64)
+    assert preset_bits(PRESETS["max"], 64) == (width_bits(KEY_WIDTHS["int3w"], 64) + 1.5) / 2
     # compact's keys: a byte of high bits per token for 16 of 64 channels, and 16 one-byte indices per block
     assert width_bits(KEY_WIDTHS["int4w"], 64) == 4 + 32 / 64 + 8 / 64 * 2 + 16 * 8 / (64 * 64)
     assert preset_bits(PRESETS["compact"], 64) == (width_bits(KEY_WIDTHS["int4w"], 64) + 3 + 32 / 64) / 2

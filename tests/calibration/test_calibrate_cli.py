@@ -14,7 +14,7 @@ from conftest import llama_config
 from hf_asymkv.calibration.allocate import check_sensitivity
 from hf_asymkv.calibration.calibrate import calibrate_model, scales_from_stats
 from hf_asymkv.calibration.data import load_texts, pack_samples
-from hf_asymkv.calibration.sensitivity import KEY_WIDTHS
+from hf_asymkv.calibration.sensitivity import KEY_WIDTHS, VALUE_WIDTHS
 from hf_asymkv.cli import main
 from hf_asymkv.core.scales import KVScales
 from hf_asymkv.models import load_model
@@ -67,7 +67,7 @@ def test_calibrate_writes_scales_and_report(workdir, tmp_path, capsys):
     k_max = max(float(k.max()) for k in scales.k_channel_absmax.values())
     summary, written = lines[-2:]
     assert written == (f"wrote {tmp_path / 'results' / 'kv_scales.sensitivity.json'} (attention KL per layer for "
-                       f"{len(KEY_WIDTHS)} key and 4 value widths, 128 tokens)")
+                       f"{len(KEY_WIDTHS)} key and {len(VALUE_WIDTHS)} value widths, 128 tokens)")
     assert summary.startswith(f"wrote {out} (2 layers, 3 x 128 tokens from 384 distinct text tokens, absmax")
     assert str(report_path) in summary and "warning" not in captured.err
     assert (meta["text_tokens"], meta["distinct_tokens"], meta["text_reads"]) == ("1501", "384", "1.0")

@@ -554,7 +554,7 @@ def _config_with_layer_types(config: PreTrainedConfig, types: str) -> PreTrained
 
 _BAD_ARGS = {
     "key_format": (dict(key_format="int7"), ["key_format", "'int7'", "int8", "fp8_e4m3", "fp8_e5m2"]),
-    "value_bits": (dict(value_bits=7), ["value_bits", "7", "[2, 3, 4, 5, 6, 8]"]),
+    "value_bits": (dict(value_bits=7), ["value_bits", "7", "[1, 2, 3, 4, 5, 6, 8]"]),
     "value_rotation": (dict(value_rotation="yes"), ["value_rotation", "'yes'", "True or False"]),
     "key_symmetric_fp8": (dict(key_format="fp8_e4m3", key_symmetric=False), ["key_symmetric=False", "'fp8_e4m3'"]),
     "value_group_size": (dict(value_group_size=5), ["value_group_size", "5", "head_dim=16", "[1, 2, 4, 8, 16]"]),

@@ -27,8 +27,8 @@ def test_frozen():
 
 @pytest.mark.parametrize("field, value, message", [
     ("key_format", "int5", r"key_format must be one of \['int8', 'fp8_e4m3', 'fp8_e5m2', 'int4', 'int3', 'int2'\], got 'int5'"),
-    ("value_bits", 7, r"value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
-    ("value_bits", True, r"value_bits must be one of \[2, 3, 4, 5, 6, 8\], got True"),
+    ("value_bits", 7, r"value_bits must be one of \[1, 2, 3, 4, 5, 6, 8\], got 7"),
+    ("value_bits", True, r"value_bits must be one of \[1, 2, 3, 4, 5, 6, 8\], got True"),
     ("key_granularity", "row", r"key_granularity must be one of \['channel', 'token', 'tensor'\]"),
     ("value_granularity", None, "value_granularity must be one of"),
     ("overflow_policy", "ignore", r"overflow_policy must be one of \['widen', 'clip', 'error'\]"),
@@ -109,7 +109,7 @@ def test_from_dict_fills_defaults_and_reads_unversioned_dicts():
     ({"config_version": 6}, r"settings: config_version 6 is not supported \(supported: \[1, 2, 3, 4, 5\]\); upgrade hf-asymkv"),
     ({"window": 8}, r"settings: unknown AsymKVCache settings \['window'\]"),
     ({"residual_length": [8]}, "settings: setting 'residual_length' must be a JSON scalar"),
-    ({"value_bits": 7}, r"settings: value_bits must be one of \[2, 3, 4, 5, 6, 8\], got 7"),
+    ({"value_bits": 7}, r"settings: value_bits must be one of \[1, 2, 3, 4, 5, 6, 8\], got 7"),
 ], ids=["not-object", "future-version", "unknown", "not-scalar", "bad-value"])
 def test_from_dict_names_the_problem(data, message):
     with pytest.raises(ValueError, match=message):
@@ -122,6 +122,14 @@ def test_resolved_group_sizes(head_dims, value_group):
     assert c.value_group_size == value_group
     assert c.key_group_size == min(head_dims)
     assert AsymKVConfig().value_group_size is None  # the config itself stays model-agnostic
+
+
+@pytest.mark.parametrize("settings", [dict(value_symmetric=True), dict(value_granularity="tensor")],
+                         ids=["symmetric", "per-tensor"])
+def test_one_bit_values_need_asymmetric_groups(settings):
+    with pytest.raises(ValueError, match=r"value_bits=1 needs asymmetric values per 'token' or 'channel'"):
+        AsymKVConfig(value_bits=1, **settings)
+    assert AsymKVConfig(value_bits=1).resolved([64]).value_spec().fmt == "int1"
 
 
 def test_resolved_refuses_a_group_that_does_not_divide_and_lists_divisors():

@@ -20,7 +20,7 @@ SMALL = dict(key_block_size=8, residual_length=8)  # a flush every 8 tokens
 CONFIGS = {  # the presets' formats, and the other kinds of scales the fused path reads
     "balanced": AsymKVConfig(**SMALL),
     "compact": AsymKVConfig(key_format="int4", key_symmetric=False, value_bits=3, **SMALL),
-    "max": AsymKVConfig(key_format="int2", key_symmetric=False, value_bits=2, **SMALL),
+    "int2-keys-2-bit-values": AsymKVConfig(key_format="int2", key_symmetric=False, value_bits=2, **SMALL),
     "int1-values": AsymKVConfig(key_format="int3", key_symmetric=False, key_wide_fraction=0.25, value_bits=1,
                                 **SMALL),
     "quality": AsymKVConfig(value_bits=6, **SMALL),

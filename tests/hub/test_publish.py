@@ -500,7 +500,7 @@ def test_cli_publishes_every_preset(model_dir, scales_file, tmp_path, name):
     ("bad-repo", "argument --push-to-hub: invalid Hub repo id"),
     ("bad-eval", "error: --eval-results: no such file or folder: '.*nothing'"),
     ("bad-setting", "argument --residual-length: must be >= 0, got -1"),
-    ("bad-value-bits", "argument --value-bits: invalid choice: 7 \\(choose from 2, 3, 4, 5, 6, 8\\)"),
+    ("bad-value-bits", "argument --value-bits: invalid choice: 7 \\(choose from 1, 2, 3, 4, 5, 6, 8\\)"),
     ("asymmetric-preset", "error: .*calibrated key ranges are symmetric per-channel scales"),
     ("no-model", "argument --model: model '.*no-model-here': no such folder"),
 ], ids=["missing-scales", "wrong-model", "non-empty-out", "bad-repo", "bad-eval", "bad-setting", "bad-value-bits",
