@@ -109,6 +109,43 @@ def stress_study_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     return study_args(ap)
 
 
+def register_candidates(base: str, candidates: dict[str, dict]) -> dict[str, str]:
+    """Register each candidate (settings over preset ``base``) as a bench scheme ``study-N``: ``{name: label}``."""
+    from hf_asymkv import PRESETS, AsymKVCache
+    from hf_asymkv.bench import schemes
+
+    names = {}
+    for label, settings in candidates.items():
+        config = PRESETS[base].replace(**settings)
+        name = f"study-{len(names)}"
+        schemes.SCHEMES[name] = (label, lambda cfg, c=config: AsymKVCache(cfg, c))
+        names[name] = label
+    return names
+
+
+def bytes_and_attention(model, tokenizer, names: list[str], peers: list[str], args: argparse.Namespace,
+                        tokens: int = 4096) -> tuple[dict, dict, dict, dict]:
+    """``(footprint, counted, plain, stressed)``, each ``{scheme: figure}``: x smaller than a bf16 DynamicCache at
+    ``tokens`` tokens as the README counts (``memory_footprint()``, ours only) and as the frontier counts
+    (``scheme_nbytes``, peers too), and the attention KL of ``eval attention --length --samples`` on the plain
+    model, then on the stress model (``args.stress``). The model is left stressed."""
+    from hf_asymkv.evals.attention import run_attention
+    from hf_asymkv.evals.frontier import scheme_nbytes
+    from hf_asymkv.evals.presets_table import measure_bytes
+
+    footprint = measure_bytes(model, names, tokens)
+    dynamic = scheme_nbytes("dynamic", model.config, tokens)
+    counted = {name: dynamic / scheme_nbytes(name, model.config, tokens) for name in [*peers, *names]}
+
+    def kl() -> dict:
+        return {r.scheme: r.kl_mean for r in run_attention(model, tokenizer, ["dynamic", *peers, *names], args.length,
+                                                             args.samples, show_progress=False)}
+
+    plain = kl()
+    stress_model(model, tokenizer, args.stress)
+    return footprint, counted, plain, kl()
+
+
 def write_report(out: Path, lines: list[str]) -> None:
     """Write the report's lines to ``out`` (atomically) and print them."""
     atomic_write_text(out, "\n".join(lines) + "\n")

@@ -16,7 +16,8 @@ of int4 quality, on the same prompts:
     python scripts/studies/value_bits.py --needle --out results/value_bits/stress_qwen.md
     python scripts/studies/value_bits.py --base max --needle --out results/value_bits/stress_qwen_max.md
 
-``--base max`` asks the other question: whether int1 values, paid back into the keys, make a better `max`.
+``--base max`` asks the other question: whether int1 values, paid back into the keys, make a better `max` (they
+did: `max` since 2026-12-05 is its second row).
 """
 
 from __future__ import annotations
@@ -26,18 +27,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from hf_asymkv import PRESETS, AsymKVCache
-from hf_asymkv.bench import schemes
-from hf_asymkv.evals.attention import run_attention
-from hf_asymkv.evals.frontier import scheme_nbytes
-from hf_asymkv.evals.presets_table import measure_bytes
 from hf_asymkv.evals.report import flips
 from hf_asymkv.evals.retrieval import run_needle
-from hf_asymkv.evals.stress import stress_description, stress_model
+from hf_asymkv.evals.stress import stress_description
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import stress_study_args, write_report  # noqa: E402
+from key_channel_bits import bytes_and_attention, register_candidates, stress_study_args, write_report  # noqa: E402
 
 TOKENS = 4096
 # label -> settings over tight's (int3 keys in 64-token blocks, 2-bit rotated values, window 32, 4 sinks)
@@ -49,43 +45,32 @@ TIGHT_CANDIDATES = {
     "int3 keys + 1/4 wide, int1 values": dict(key_wide_fraction=0.25, value_bits=1),
     "int4 keys, int1 values, window 16": dict(key_format="int4", value_bits=1, residual_length=16),
 }
-# label -> settings over max's (int2 keys in 32-token blocks, 2-bit rotated values, window 64, 4 sinks)
+# label -> settings over tight's, around max: as it was before 2026-12-05 (int2 keys in 32-token blocks, 2-bit
+# rotated values, window 64) and candidates with 1-bit values
+OLD_MAX = dict(key_format="int2", key_block_size=32, value_bits=2, residual_length=64)
 MAX_CANDIDATES = {
-    "max as it is (int2 keys, int2 values)": {},
-    "int3 keys + 1/4 wide (64-token blocks), int1 values, window 32": dict(
-        key_format="int3", key_block_size=64, key_wide_fraction=0.25, value_bits=1, residual_length=32),
+    "max before 2026-12-05 (int2 keys, int2 values, window 64)": OLD_MAX,
+    "int3 keys + 1/4 wide (64-token blocks), int1 values, window 32 (max since 2026-12-05)": dict(
+        key_wide_fraction=0.25, value_bits=1),
     "int3 keys + 1/4 wide (64-token blocks), int1 values, window 64": dict(
-        key_format="int3", key_block_size=64, key_wide_fraction=0.25, value_bits=1),
-    "int3 keys + 1/2 wide (64-token blocks), int1 values, window 32": dict(
-        key_format="int3", key_block_size=64, key_wide_fraction=0.5, value_bits=1, residual_length=32),
-    "int3 keys (64-token blocks), int1 values, window 32": dict(
-        key_format="int3", key_block_size=64, value_bits=1, residual_length=32),
-    "int2 keys + 1/4 wide, int2 values": dict(key_wide_fraction=0.25),
+        key_wide_fraction=0.25, value_bits=1, residual_length=64),
+    "int3 keys + 1/2 wide (64-token blocks), int1 values, window 32": dict(key_wide_fraction=0.5, value_bits=1),
+    "int3 keys (64-token blocks), int1 values, window 32": dict(value_bits=1),
+    "int2 keys + 1/4 wide, int2 values (32-token blocks, window 64)": dict(OLD_MAX, key_wide_fraction=0.25),
 }
 BASES = {"tight": TIGHT_CANDIDATES, "max": MAX_CANDIDATES}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", choices=sorted(BASES), default="tight", help="the preset the candidates change")
+    ap.add_argument("--base", choices=sorted(BASES), default="tight",
+                    help="which candidates: around tight's bytes or around max's (all are settings over tight)")
     ap.add_argument("--needle", action="store_true", help="also count needle prompts lost on the stress model")
     args = stress_study_args(ap)
-    names = {}
-    for label, settings in BASES[args.base].items():
-        config = PRESETS[args.base].replace(**settings)
-        name = f"study-{len(names)}"
-        schemes.SCHEMES[name] = (label, lambda cfg, c=config: AsymKVCache(cfg, c))
-        names[name] = label
+    names = register_candidates("tight", BASES[args.base])
     model, tok = load_model()
-    footprint = measure_bytes(model, list(names), TOKENS)
-    dynamic = scheme_nbytes("dynamic", model.config, TOKENS)
     peers = ["hf-fp8"]
-    counted = {name: dynamic / scheme_nbytes(name, model.config, TOKENS) for name in [*peers, *names]}
-    plain = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *peers, *names], args.length,
-                                                         args.samples, show_progress=False)}
-    stress_model(model, tok, args.stress)
-    stressed = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *peers, *names], args.length,
-                                                           args.samples, show_progress=False)}
+    footprint, counted, plain, stressed = bytes_and_attention(model, tok, list(names), peers, args, TOKENS)
     lost = {}
     if args.needle:
         rows = run_needle(model, tok, ["dynamic", *peers, *names], [2048, 4096], [0.25, 0.5, 0.75],
@@ -100,8 +85,8 @@ def main() -> None:
              "as the README's presets table counts (`memory_footprint()`) and as the frontier counts "
              "(`scheme_nbytes`: growth capacity included); needle prompts lost / gained against full precision of "
              "12 on the stress model (2048 and 4096 tokens, depths 0.25/0.5/0.75, single and multikey). Every row "
-             f"is `{args.base}` with the settings named.", "",
-             f"| keys / values over {args.base} | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "
+             "is `tight` with the settings named.", "",
+             "| keys / values over tight | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "
              "attention KL, plain | needle lost / gained |", "|---|---:|---:|---:|---:|---:|"]
     for name in peers:
         lines.append(f"| {name} (transformers) | | {counted[name]:.3f} | {stressed[name]:.3g} | {plain[name]:.3g} | "

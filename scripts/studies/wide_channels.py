@@ -24,16 +24,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_asymkv import PRESETS, AsymKVCache
-from hf_asymkv.bench import schemes
-from hf_asymkv.evals.attention import run_attention
-from hf_asymkv.evals.frontier import scheme_nbytes
-from hf_asymkv.evals.presets_table import measure_bytes
-from hf_asymkv.evals.stress import stress_description, stress_model
+from hf_asymkv.evals.stress import stress_description
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import stress_study_args, write_report  # noqa: E402
+from key_channel_bits import bytes_and_attention, register_candidates, stress_study_args, write_report  # noqa: E402
 
 TOKENS = 4096
 # label -> settings over compact's
@@ -63,21 +58,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", choices=sorted(BASES), default="compact", help="the preset the candidates change")
     args = stress_study_args(ap)
-    names = {}
-    for label, settings in BASES[args.base].items():
-        config = PRESETS[args.base].replace(**settings)
-        name = f"study-{len(names)}"
-        schemes.SCHEMES[name] = (label, lambda cfg, c=config: AsymKVCache(cfg, c))
-        names[name] = label
+    names = register_candidates(args.base, BASES[args.base])
     model, tok = load_model()
-    footprint = measure_bytes(model, list(names), TOKENS)
-    dynamic = scheme_nbytes("dynamic", model.config, TOKENS)
-    counted = {name: dynamic / scheme_nbytes(name, model.config, TOKENS) for name in names}
-    plain = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *names], args.length, args.samples,
-                                                         show_progress=False)}
-    stress_model(model, tok, args.stress)
-    stressed = {r.scheme: r.kl_mean for r in run_attention(model, tok, ["dynamic", *names], args.length,
-                                                           args.samples, show_progress=False)}
+    footprint, counted, plain, stressed = bytes_and_attention(model, tok, list(names), [], args, TOKENS)
     base = "" if args.base == "compact" else f" --base {args.base}"
     lines = [f"`python scripts/studies/wide_channels.py{base} --stress {args.stress} --length {args.length} --samples "
              f"{args.samples} --threads {args.threads} --out {args.out}`", "",
