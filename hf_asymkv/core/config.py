@@ -147,8 +147,10 @@ class AsymKVConfig:
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
         layer_overrides: ``{layer index: {setting: value}}`` for settings of :data:`~hf_asymkv.core.registry.LAYER_SETTINGS` that differ
             in given layers (e.g. ``{0: {"key_format": "int8", "key_symmetric": True}}`` to protect layer 0);
-            negative indices count from the last layer. Stored normalized (sorted ``(index, ((setting, value),
-            ...))`` pairs, so the config stays immutable and hashable); :meth:`overrides` gives the dict form.
+            negative indices count from the last layer. An override that gives a layer keys without wide channels
+            (int8/fp8, per token, rotated) and does not name ``key_wide_fraction`` drops the config's wide channels
+            there. Stored normalized (sorted ``(index, ((setting, value), ...))`` pairs, so the config stays
+            immutable and hashable); :meth:`overrides` gives the dict form.
 
     Raises:
         ValueError: any field out of range (the message names the field, the value and what is allowed); an
@@ -193,8 +195,7 @@ class AsymKVConfig:
         wide = self.key_wide_fraction
         if isinstance(wide, bool) or not isinstance(wide, (int, float)) or not 0 <= wide < 1:
             raise ValueError(f"key_wide_fraction must be a number in [0, 1), got {wide!r}.")
-        if wide and (self.key_format not in ("int4", "int3", "int2") or self.key_granularity != "channel"
-                     or self.key_rotation):
+        if wide and not _takes_wide_channels({k: getattr(self, k) for k in _WIDE_KEYS}):
             raise ValueError(f"key_wide_fraction={wide} needs int4, int3 or int2 keys per 'channel', unrotated; got "
                              f"key_format={self.key_format!r}, key_granularity={self.key_granularity!r}, "
                              f"key_rotation={self.key_rotation}.")
@@ -240,9 +241,12 @@ class AsymKVConfig:
         Raises:
             ValueError: the override does not make a valid config (the message names the layer).
         """
-        override = dict(self.layer_overrides).get(index, ())
+        override = dict(dict(self.layer_overrides).get(index, ()))
+        if self.key_wide_fraction and "key_wide_fraction" not in override and not _takes_wide_channels(
+                {**{k: getattr(self, k) for k in _WIDE_KEYS}, **override}):
+            override["key_wide_fraction"] = 0.0  # keys the override makes int8/fp8/rotated/per-token have none
         try:
-            return dataclasses.replace(self, layer_overrides=(), **dict(override))
+            return dataclasses.replace(self, layer_overrides=(), **override)
         except ValueError as exc:
             raise ValueError(f"layer_overrides[{index}]: {exc}") from None
 
@@ -363,6 +367,15 @@ class AsymKVConfig:
         return (f"{key}, {value}, block={self.key_block_size}, window={self.residual_length}, "
                 f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else "")
                 + (f", overrides for layers {overridden}" if overridden else ""))
+
+
+_WIDE_KEYS = ("key_format", "key_granularity", "key_rotation")
+
+
+def _takes_wide_channels(keys: Mapping[str, Any]) -> bool:
+    """Whether keys of these :data:`_WIDE_KEYS` settings can have wide channels: int2-int4 per channel, unrotated."""
+    return keys["key_format"] in ("int4", "int3", "int2") and keys["key_granularity"] == "channel" \
+        and not keys["key_rotation"]
 
 
 def _is_scalar(value) -> bool:

@@ -90,8 +90,21 @@ def test_calibrated_ranges_refused_where_an_override_makes_keys_asymmetric():
 
 def test_presets_take_overrides():
     cache = AsymKVCache.from_preset("max", llama_config(), layer_overrides=PROTECT)
-    assert cache.layers[0].key_spec.fmt == "int8" and cache.layers[1].key_spec.fmt == "int2"
+    assert cache.layers[0].key_spec.fmt == "int8" and cache.layers[1].key_spec.fmt == "int3"
     assert "overrides for layers [0]" in repr(cache)
+
+
+@pytest.mark.parametrize("preset", ["compact", "max"])
+def test_protecting_a_layer_drops_wide_channels_its_keys_cannot_have(preset):
+    """int8 keys (the documented protection) have no wide channels: the override drops the preset's there, and
+    keeps them where the override leaves keys that can have them; naming them with int8 keys is still refused."""
+    cache = AsymKVCache.from_preset(preset, llama_config(), layer_overrides={0: {"key_format": "int8"},
+                                                                             1: {"key_block_size": 32}})
+    assert cache.layers[0].key_spec.wide_fraction == 0 and cache.layers[1].key_spec.wide_fraction == 0.25
+    assert cache.cache_config.overrides() == {0: {"key_format": "int8"}, 1: {"key_block_size": 32}}
+    with pytest.raises(ValueError, match=r"layer_overrides\[0\]: key_wide_fraction=0.25 needs int4, int3 or int2"):
+        AsymKVCache.from_preset(preset, llama_config(),
+                                layer_overrides={0: {"key_format": "int8", "key_wide_fraction": 0.25}})
 
 
 def test_overrides_chosen_after_the_prefill():
