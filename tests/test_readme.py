@@ -59,7 +59,8 @@ def _describe_keys(config: AsymKVConfig) -> str:
 
 
 def _describe_values(config: AsymKVConfig) -> str:
-    return f"int{config.value_bits} per {config.value_granularity}" + (", rotated" if config.value_rotation else "")
+    levels = " (two fitted levels)" if config.value_bits == 1 else ""
+    return f"int{config.value_bits} per {config.value_granularity}{levels}" + (", rotated" if config.value_rotation else "")
 
 
 def _preset_rows() -> dict[str, list[str]]:
