@@ -249,7 +249,8 @@ def _two_means(g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Te
     extremes and decode every ordinary element a half range off.
 
     ``g`` is ``[B, H, N, tg, M, cg]`` float32 (non-finite elements already 0); returns ``[B, H, N, M]`` each, in
-    ``spec.scale_dtype``, rounded to nearest (a 1-bit code saturates by design: no range to keep)."""
+    ``spec.scale_dtype``, rounded to nearest (a 1-bit code saturates by design: no range to keep) and clamped to
+    its finite range (levels beyond it saturate, as the other formats' ranges do)."""
     dims = (3, 5)
     threshold = g.mean(dim=dims, keepdim=True)
     for _ in range(TWO_MEANS_STEPS):
@@ -260,9 +261,9 @@ def _two_means(g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Te
         high = torch.where(n_up > 0, sum_up / n_up.clamp(min=1), threshold)
         low = torch.where(n_low > 0, (g.sum(dim=dims, keepdim=True) - sum_up) / n_low.clamp(min=1), threshold)
         threshold = (low + high) / 2
-    tiny = torch.finfo(spec.scale_dtype).tiny
-    zero = low.to(spec.scale_dtype)
-    scale = (high - zero.float()).clamp(min=tiny).to(spec.scale_dtype)
+    finfo = torch.finfo(spec.scale_dtype)
+    zero = low.clamp(finfo.min, finfo.max).to(spec.scale_dtype)  # finite: levels past the range saturate
+    scale = (high - zero.float()).clamp(finfo.tiny, finfo.max).to(spec.scale_dtype)
     return scale[:, :, :, 0, :, 0], zero[:, :, :, 0, :, 0]
 
 

@@ -280,6 +280,15 @@ def test_int1_constant_and_special_groups():
     assert deq[0, 0, 1, 4:].tolist() == [0.0] * 4
 
 
+def test_int1_levels_beyond_float16_saturate_finite():
+    """Levels past float16's range are clamped to it: the decoded values are finite and keep their order."""
+    spec = make_spec("int1", False, "token", group_size=8)
+    x = torch.tensor([[[[1e6, 9e5, -1e6, -9e5, 1e5, -1e5, 3.0, -3.0]]]])
+    scale, zero, _, deq = roundtrip(x, spec, block_size=1)
+    assert torch.isfinite(scale).all() and torch.isfinite(zero).all() and torch.isfinite(deq).all()
+    assert deq[..., :2].min() > deq[..., 2:4].max() and (deq[..., 2:4] == -65504).all()
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_int1_codes_pack_along_tokens_and_head_dim(scale_dtype):
     """8 codes per byte, in token-packed blocks (multiples of 8 tokens) or along head_dim; both decode alike."""

@@ -98,7 +98,7 @@ def test_default_model_compiled_decode_equals_eager(attention):
     _check_compiled_run(model, prompt, "compact")
 
 
-@pytest.mark.parametrize("preset", ["balanced", "compact"])
+@pytest.mark.parametrize("preset", ["balanced", "compact", "max"])
 def test_graph_read_out_equals_eager_with_left_padding(preset):
     """Inside a graph a static layer composes its read-out without in-place writes (``StaticTensorStore._compose``);
     it must hand the eager read-out bit for bit: a left-padded batch (row 1's sinks live in the overlay), 24 steps
