@@ -237,8 +237,9 @@ def compute_scale_zero(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, 
 
 
 TWO_MEANS_STEPS = 3
-"""Lloyd steps of the 1-bit encoder (:func:`_two_means`); the levels move by < 1% of their gap after 3 on
-Gaussian-like groups (rotated values)."""
+"""Lloyd steps of the 1-bit encoder (:func:`_two_means`). On Gaussian groups of 64 (what rotated values look like)
+the squared error after 3 steps is 0.15% above where 30 steps converge (0.3452 against 0.3447 of the variance; 1
+step: 0.3480); a few groups' levels are still moving (by 0.7% of their gap on average, up to 24%)."""
 
 
 def _two_means(g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
