@@ -253,14 +253,15 @@ def _two_means(g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Te
     ``spec.scale_dtype``, rounded to nearest (a 1-bit code saturates by design: no range to keep) and clamped to
     its finite range (levels beyond it saturate, as the other formats' ranges do)."""
     dims = (3, 5)
+    size = g.shape[3] * g.shape[5]  # elements per group
+    total = g.sum(dim=dims, keepdim=True)
     threshold = g.mean(dim=dims, keepdim=True)
     for _ in range(TWO_MEANS_STEPS):
         upper = g > threshold
         n_up = upper.sum(dim=dims, keepdim=True)
-        n_low = upper.numel() // n_up.numel() - n_up
         sum_up = torch.where(upper, g, 0.0).sum(dim=dims, keepdim=True)
         high = torch.where(n_up > 0, sum_up / n_up.clamp(min=1), threshold)
-        low = torch.where(n_low > 0, (g.sum(dim=dims, keepdim=True) - sum_up) / n_low.clamp(min=1), threshold)
+        low = torch.where(n_up < size, (total - sum_up) / (size - n_up).clamp(min=1), threshold)
         threshold = (low + high) / 2
     finfo = torch.finfo(spec.scale_dtype)
     zero = low.clamp(finfo.min, finfo.max).to(spec.scale_dtype)  # finite: levels past the range saturate
