@@ -146,6 +146,19 @@ def bytes_and_attention(model, tokenizer, names: list[str], peers: list[str], ar
     return footprint, counted, plain, kl()
 
 
+def bytes_and_attention_note(args: argparse.Namespace, tokens: int = 4096) -> str:
+    """What :func:`bytes_and_attention` measured, for a report (one sentence, no closing punctuation)."""
+    return (f"Attention KL as `hf-asymkv eval attention --length {args.length} --samples {args.samples}` measures it "
+            f"(stress: `--stress-outliers {args.stress}`); x smaller than a bf16 DynamicCache at {tokens} tokens, "
+            "as the README's presets table counts (`memory_footprint()`) and as the frontier counts "
+            "(`scheme_nbytes`: growth capacity included)")
+
+
+def model_label(stress: str) -> str:
+    """A report's line naming the model: the stress case's description, or the plain default model (``none``)."""
+    return stress_description(stress) if stress != "none" else "SmolLM2-135M-Instruct as it is"
+
+
 def write_report(out: Path, lines: list[str]) -> None:
     """Write the report's lines to ``out`` (atomically) and print them."""
     atomic_write_text(out, "\n".join(lines) + "\n")
@@ -211,7 +224,7 @@ def main() -> None:
         f = (bits - lo) / (hi - lo)
         return math.exp((1 - f) * math.log(uniform[lo]) + f * math.log(uniform[hi]))
 
-    label = stress_description(args.stress) if args.stress != "none" else "SmolLM2-135M-Instruct as it is"
+    label = model_label(args.stress)
     lines = [f"`python scripts/studies/key_channel_bits.py --stress {args.stress} --length {args.length} --samples "
              f"{args.samples} --queries {args.queries} --block {args.block} --out {args.out}`", "", label, "",
              f"Attention KL of each layer's last {args.queries} queries with that layer's keys rounded ({args.block}-token "

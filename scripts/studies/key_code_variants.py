@@ -25,11 +25,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_asymkv.evals.evaluate import encode_prompt
 from hf_asymkv.evals.needle import make_task
-from hf_asymkv.evals.stress import forward_with_hooks, stress_description, stress_model
+from hf_asymkv.evals.stress import forward_with_hooks, stress_model
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import attention, kl, round_keys, stress_study_args, write_report  # noqa: E402
+from key_channel_bits import attention, kl, model_label, round_keys, stress_study_args, write_report  # noqa: E402
 
 BLOCK = 64
 OUTLIERS = (1, 2, 4)
@@ -95,7 +95,7 @@ def main() -> None:
                     add(f"pre-RoPE, {n} exact per channel and block", bits, n * 22 / BLOCK,
                         round_sparse(k[0], bits, BLOCK, n), pre=True)
     base = {bits: sum(v) / len(v) for (name, bits, _), v in rows.items() if name.startswith("per channel")}
-    label = stress_description(args.stress) if args.stress != "none" else "SmolLM2-135M-Instruct as it is"
+    label = model_label(args.stress)
     lines = [f"`python scripts/studies/key_code_variants.py --stress {args.stress} --length {args.length} --samples "
              f"{args.samples} --queries {args.queries} --threads {args.threads} --out {args.out}`", "", label, "",
              f"Attention KL of each layer's last {args.queries} queries with that layer's keys rounded ({BLOCK}-token "

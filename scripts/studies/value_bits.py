@@ -33,7 +33,13 @@ from hf_asymkv.evals.stress import stress_description
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import bytes_and_attention, register_candidates, stress_study_args, write_report  # noqa: E402
+from key_channel_bits import (  # noqa: E402
+    bytes_and_attention,
+    bytes_and_attention_note,
+    register_candidates,
+    stress_study_args,
+    write_report,
+)
 
 TOKENS = 4096
 # label -> settings over tight's (int3 keys in 64-token blocks, 2-bit rotated values, window 32, 4 sinks)
@@ -80,10 +86,7 @@ def main() -> None:
     lines = [f"`python scripts/studies/value_bits.py{options} --stress {args.stress} --length {args.length} --samples "
              f"{args.samples} --threads {args.threads} --out {args.out}`", "",
              stress_description(args.stress), "",
-             f"Attention KL as `hf-asymkv eval attention --length {args.length} --samples {args.samples}` measures it "
-             f"(stress: `--stress-outliers {args.stress}`); x smaller than a bf16 DynamicCache at {TOKENS} tokens, "
-             "as the README's presets table counts (`memory_footprint()`) and as the frontier counts "
-             "(`scheme_nbytes`: growth capacity included); needle prompts lost / gained against full precision of "
+             bytes_and_attention_note(args, TOKENS) + "; needle prompts lost / gained against full precision of "
              "12 on the stress model (2048 and 4096 tokens, depths 0.25/0.5/0.75, single and multikey). Every row "
              "is `tight` with the settings named.", "",
              "| keys / values over tight | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "

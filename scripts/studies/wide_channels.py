@@ -28,7 +28,13 @@ from hf_asymkv.evals.stress import stress_description
 from hf_asymkv.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from key_channel_bits import bytes_and_attention, register_candidates, stress_study_args, write_report  # noqa: E402
+from key_channel_bits import (  # noqa: E402
+    bytes_and_attention,
+    bytes_and_attention_note,
+    register_candidates,
+    stress_study_args,
+    write_report,
+)
 
 TOKENS = 4096
 # label -> settings over compact's
@@ -65,10 +71,7 @@ def main() -> None:
     lines = [f"`python scripts/studies/wide_channels.py{base} --stress {args.stress} --length {args.length} --samples "
              f"{args.samples} --threads {args.threads} --out {args.out}`", "",
              stress_description(args.stress), "",
-             f"Attention KL as `hf-asymkv eval attention --length {args.length} --samples {args.samples}` measures it "
-             f"(stress: `--stress-outliers {args.stress}`); x smaller than a bf16 DynamicCache at {TOKENS} tokens, "
-             "as the README's presets table counts (`memory_footprint()`) and as the frontier counts "
-             f"(`scheme_nbytes`: growth capacity included). Every row is `{args.base}` with the settings named.", "",
+             bytes_and_attention_note(args, TOKENS) + f". Every row is `{args.base}` with the settings named.", "",
              f"| keys / settings over {args.base} | x smaller (footprint) | x smaller (frontier) | attention KL, stress | "
              "attention KL, plain |", "|---|---:|---:|---:|---:|"]
     for name, label in names.items():
