@@ -6,8 +6,9 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
-from hf_asymkv import cache_kwargs
+from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.core.config import Growth, LayerConfig
 from hf_asymkv.core.quant import QuantSpec
 
@@ -27,6 +28,54 @@ def greedy_with_logits(model, prompt: torch.Tensor, cache, n: int = 16) -> tuple
         out = model.generate(prompt, **cache_kwargs(cache), max_new_tokens=n, do_sample=False,
                              return_dict_in_generate=True, output_logits=True)
     return out.sequences, torch.stack(out.logits)
+
+
+def manual_greedy(forward, prompt: torch.Tensor, cache, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Prefill ``prompt`` ``[1, T]`` through ``forward`` (``model.forward`` or a compiled one) and take ``steps`` greedy
+    steps, one token each: ``(last prefill logits [1, vocab], generated token ids)``. transformers' recipe for a
+    compiled static cache, prefill included (``generate`` compiles only the one-token steps)."""
+    tokens = []
+    with torch.no_grad():
+        logits = forward(input_ids=prompt, **cache_kwargs(cache)).logits
+        first = logits[:, -1].clone()
+        for _ in range(steps):
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+            logits = forward(input_ids=token, **cache_kwargs(cache)).logits
+    return first, tokens
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |got - expected| / max |expected|``."""
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def check_whole_forward(model, prompt, preset: str, steps: int, **settings) -> None:
+    """``torch.compile(model.forward, fullgraph=True, dynamic=False)`` with a static cache, prefill included: the
+    prefill's last logits within 1e-4 (relative) of the eager static cache's, ``steps`` greedy tokens equal to the
+    eager static and dynamic caches', two graphs (prefill, decode step) and none more for a second cache.
+
+    Regression for issue 38: inductor computed the prefill's keys straight into the buffer it then scattered them
+    within, so a prefill with sinks read tokens it had just overwritten (logits off by 0.4-20)."""
+    def static():
+        return AsymKVCache.from_preset(preset, model.config, max_cache_len=prompt.shape[1] + steps + 1, **settings)
+
+    dynamic_first, dynamic_tokens = manual_greedy(model.forward, prompt, AsymKVCache.from_preset(
+        preset, model.config, **settings), steps)
+    eager_first, eager_tokens = manual_greedy(model.forward, prompt, static(), steps)
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    cache = static()
+    first, tokens = manual_greedy(forward, prompt, cache, steps)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert cache.stats()["blocks_quantized"] > 0
+    assert relative_error(first, eager_first) <= 1e-4, preset
+    assert tokens == eager_tokens == dynamic_tokens, preset
+    counters.clear()
+    again_first, again = manual_greedy(forward, prompt, static(), steps)
+    assert not counters["stats"]["unique_graphs"]  # a new cache of the same shape reuses both graphs
+    assert again == tokens and torch.equal(again_first, first)
 
 
 def char_tokenizer():

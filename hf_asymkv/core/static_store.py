@@ -100,12 +100,18 @@ class StaticTensorStore:
         + ``i`` (slots past the filled length hold finite filler).
 
         ``offset`` (0-d) is the window slot of ``new``'s first token: the window's length, negative while sinks fill
-        (those tokens land at the end, past every filled slot: the slots are taken modulo ``W + n``).
+        (the sink tokens are in the sinks; here their slots would precede slot 0, so they are left out).
+
+        Written as a selection per slot, not as ``cat`` then ``index_copy_(new)``: inductor (torch 2.13) computes
+        ``new`` straight into the concatenation's last ``n`` slots and then scatters from there into the same buffer,
+        so a scatter that moves tokens within those slots read tokens it had just overwritten (issue 38: a compiled
+        prefill with sinks was wrong).
         """
         n = new.shape[2]
-        tokens = torch.cat([self.window, new], dim=2)
-        slots = (offset + torch.arange(n, device=new.device)).remainder(tokens.shape[2])
-        return tokens.index_copy_(2, slots, new)
+        base = torch.cat([self.window, new], dim=2)  # slots no token of ``new`` reaches keep the window (or filler)
+        source = torch.arange(base.shape[2], device=new.device) - offset  # the token of ``new`` for each slot
+        taken = new.index_select(2, source.clamp(0, n - 1))
+        return torch.where(((source >= 0) & (source < n))[:, None], taken, base)
 
     def store_blocks(self, tokens: torch.Tensor, candidates: int, targets: torch.Tensor, valid: torch.Tensor,
                      boundary: torch.Tensor, flushed_tokens: torch.Tensor, scale: torch.Tensor | None

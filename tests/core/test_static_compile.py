@@ -1,7 +1,9 @@
-"""The static cache compiled with inductor on CPU, through ``generate``'s own compilation (the path transformers
-takes for a ``StaticCache`` on a GPU; ``_compile_all_devices`` enables it on CPU): ``fullgraph=True`` (a graph
-break raises), one graph for every decode step across block flushes, no recompilation for a new cache, and the
-eager static cache's and the dynamic cache's tokens.
+"""The static cache compiled with inductor on CPU, two ways: through ``generate``'s own compilation (the path
+transformers takes for a ``StaticCache`` on a GPU; ``_compile_all_devices`` enables it on CPU: one-token steps
+compiled, the prefill eager) and as transformers' recipe for a ``StaticCache`` compiles it, ``model.forward``
+itself, prefill included (a multi-token update that quantizes blocks inside the graph). Both with
+``fullgraph=True`` (a graph break raises), one graph for every decode step across block flushes, no recompilation
+for a new cache, and the eager static cache's and the dynamic cache's tokens.
 
 Few and small on purpose: each compilation takes tens of seconds on CI's CPUs. The default model is compiled with its
 first 2 layers (its shapes and weights, one preset): all 30 took 14.5 minutes to compile on a busy 2-core machine,
@@ -17,6 +19,7 @@ import warnings
 import pytest
 import torch
 from conftest import FIRST_PLAIN_TOKEN
+from helpers import check_whole_forward
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, LlamaConfig
 
@@ -57,6 +60,18 @@ def _check_compiled_run(model, prompt, preset: str) -> None:
     again = _generate(model, prompt, static(), compiled=True)
     assert not counters["stats"]["unique_graphs"]  # a new cache of the same shape reuses the graph
     assert torch.equal(compiled, eager) and torch.equal(compiled, dynamic) and torch.equal(again, compiled)
+
+
+def test_whole_forward_compiled_equals_eager(llama, prompt):
+    """Blocks quantized inside the compiled prefill (40 tokens: 3 blocks of 8 per layer) and inside the compiled steps,
+    40 greedy steps (every preset: tests/compile/test_whole_forward.py, run once rather than for every release)."""
+    check_whole_forward(llama, prompt[:, :40], "balanced", 40, **SMALL)
+
+
+def test_whole_forward_compiled_prefill_without_blocks(llama, prompt):
+    """The issue's case: a prompt shorter than the sinks + window (nothing quantized in the prefill), default block
+    sizes; the decode steps then quantize the first block."""
+    check_whole_forward(llama, prompt[:, :12], "balanced", 40, key_block_size=16, residual_length=16)
 
 
 def test_compiled_decode_equals_eager_without_recompiling(llama, prompt):

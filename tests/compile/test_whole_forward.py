@@ -1,0 +1,94 @@
+"""transformers' recipe for a compiled static cache, prefill included: ``model.forward = torch.compile(model.forward,
+fullgraph=True, dynamic=False)``, for every preset and on the real default model (issue 38).
+
+``generate``'s own compile (one-token steps, tests/core/test_static_compile.py) never compiles a multi-token update;
+this recipe does, and it gave wrong logits (0.4 on the tiny Llama, 19.7 on the 30-layer default model) until
+:meth:`~hf_asymkv.core.static_store.StaticTensorStore.joined` stopped scattering a prefill's tokens within the buffer
+inductor had computed them into. Kept out of tests/core, which CI runs for four transformers releases: each compile
+costs seconds to minutes on two cores (tests/core keeps one preset).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import check_whole_forward, manual_greedy, relative_error
+
+from hf_asymkv import PRESETS, AsymKVCache, register_attention
+from hf_asymkv.models import ModelNotAvailableError, load_model
+
+SMALL = dict(key_block_size=8, residual_length=8)  # blocks quantized inside a 40-token prefill and every 8 steps
+STEPS = 40
+LOCKER = "The locker code for the blue door is 4417. Repeat the locker code for the blue door:"
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset(llama, prompt, preset):
+    check_whole_forward(llama, prompt[:, :40], preset, STEPS, **SMALL)
+
+
+def test_fused_attention(llama, prompt):
+    """``attn_implementation="asymkv_sdpa"``: the prefill (40 query tokens) takes SDPA over the dense read-out inside
+    the graph, the steps read the codes (``max``: wide key channels and 1-bit values, the most parts)."""
+    register_attention()
+    fused = copy.deepcopy(llama)
+    fused.set_attn_implementation("asymkv_sdpa")
+    check_whole_forward(fused, prompt[:, :40], "max", STEPS, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    try:
+        return load_model()
+    except ModelNotAvailableError as exc:  # CI installs it; a bare checkout may not have it
+        pytest.skip(str(exc))
+
+
+def _cut(model, layers: int):
+    """A copy of ``model`` with its first ``layers`` decoder layers (the fixture's model keeps all of them)."""
+    kept = model.model.layers
+    model.model.layers = kept[:layers]
+    try:
+        cut = copy.deepcopy(model)
+    finally:
+        model.model.layers = kept
+    cut.config.num_hidden_layers = layers
+    if getattr(cut.config, "layer_types", None):
+        cut.config.layer_types = cut.config.layer_types[:layers]
+    return cut
+
+
+def _locker_prompt(tokenizer) -> torch.Tensor:
+    messages = [{"role": "user", "content": LOCKER}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                         return_dict=True)["input_ids"]
+
+
+@pytest.mark.slow
+def test_default_model_one_layer(default_model):
+    """The default model's shapes (head_dim 64, 3 KV heads of 9 query heads), one layer, ``max`` (the preset with the
+    most parts: wide key channels, 1-bit values). Every preset compiles the same code on the tiny Llama above; a
+    cold compile costs 40 s or more per preset on two cores."""
+    model, _ = default_model
+    g = torch.Generator().manual_seed(0)
+    check_whole_forward(_cut(model, 1), torch.randint(3, 2000, (1, 40), generator=g), "max", STEPS, **SMALL)
+
+
+@pytest.mark.slow
+def test_default_model_all_layers_answers_as_eager(default_model):
+    """The issue's case as a user meets it: all 30 layers, ``balanced`` as shipped, ``max_cache_len=128``, the locker
+    prompt. Eager answers "4417."; the compiled prefill must give its logits and its 40 tokens."""
+    model, tokenizer = default_model
+    ids = _locker_prompt(tokenizer)
+
+    def cache():
+        return AsymKVCache.from_preset("balanced", model.config, max_cache_len=128)
+
+    eager_first, eager_tokens = manual_greedy(model.forward, ids, cache(), STEPS)
+    assert "4417" in tokenizer.decode(eager_tokens[:16])
+    torch._dynamo.reset()
+    first, tokens = manual_greedy(torch.compile(model.forward, fullgraph=True, dynamic=False), ids, cache(), STEPS)
+    assert relative_error(first, eager_first) <= 1e-4
+    assert tokens == eager_tokens
