@@ -113,16 +113,35 @@ def test_stats_are_said_to_be_summed_over_layers():
     assert re.search(r'`stats\(\)\["tokens_quantized"\]` is\s+summed over layers', README)
 
 
-def _ratio_after_prefill(tokens: int) -> float:
-    """``ratio_vs_model_dtype`` of the default cache after one bf16 prefill of ``tokens`` on SmolLM2's attention
-    shape (3 KV heads of 64 channels), two layers."""
+def _footprint_after_prefill(tokens: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """``memory_footprint()`` of the default cache after one prefill of ``tokens`` in ``dtype`` on SmolLM2's
+    attention shape (3 KV heads of 64 channels), two layers (bytes per layer depend on shapes only)."""
     config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=2,
                          intermediate_size=64, vocab_size=64)
     cache = AsymKVCache(config)
     for i in range(2):
-        kv = torch.randn(2, 1, 3, tokens, 64, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        kv = torch.randn(2, 1, 3, tokens, 64, generator=torch.Generator().manual_seed(i)).to(dtype)
         cache.update(kv[0], kv[1], i)
-    return cache.memory_footprint()["ratio_vs_model_dtype"]
+    return cache.memory_footprint()
+
+
+def _ratio_after_prefill(tokens: int) -> float:
+    """``ratio_vs_model_dtype`` after a bf16 prefill of ``tokens`` (:func:`_footprint_after_prefill`)."""
+    return _footprint_after_prefill(tokens)["ratio_vs_model_dtype"]
+
+
+def test_the_ratios_the_quick_start_quotes():
+    """The Quick start's ``ratio_vs_bf16`` at three lengths, the same on fp32 and bf16 K/V, and the fp32 model's
+    ``ratio_vs_model_dtype`` at 4096: one basis for the README, the demo and the snippet (issue 41)."""
+    quoted = re.search(r"\((\S+)x at 1000 tokens, (\S+)x at 3000, (\S+)x at 4096\)", README)
+    assert quoted, "the Quick start no longer quotes the ratios at 1000, 3000 and 4096 tokens"
+    for tokens, figure in zip((1000, 3000, 4096), quoted.groups()):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert f"{_footprint_after_prefill(tokens, dtype)['ratio_vs_bf16']:.2f}" == figure, (tokens, dtype)
+    headline = re.search(r"at 4096 tokens the default cache holds \*\*(\S+)x fewer bytes\s+than a bf16", README)
+    assert headline.group(1) == quoted.group(3)  # the README's first figure, on the same basis
+    fp32 = re.search(r"on an fp32 model it is larger \((\S+)x\s+at 4096 tokens\)", README).group(1)
+    assert f"{_footprint_after_prefill(4096, torch.float32)['ratio_vs_model_dtype']:.2f}" == fp32
 
 
 def test_break_even_length_is_the_one_the_readme_states():
@@ -153,5 +172,10 @@ def test_quick_start_runs_on_the_default_model(capsys, single_thread):
         pytest.skip(str(exc))
     cache, inputs, out = namespace["cache"], namespace["inputs"], namespace["out"]
     assert out.shape[1] > inputs["input_ids"].shape[1]
-    assert "7890" in capsys.readouterr().out  # the fact sits ~500 tokens back, in quantized blocks
-    assert cache.stats()["tokens_quantized"] > 0 and cache.memory_footprint()["ratio_vs_model_dtype"] > 1.0
+    printed = capsys.readouterr().out
+    assert "7890" in printed  # the fact sits ~500 tokens back, in quantized blocks
+    footprint = cache.memory_footprint()
+    assert cache.stats()["tokens_quantized"] > 0 and footprint["ratio_vs_bf16"] > 1.0
+    assert f"{footprint['ratio_vs_bf16']:.2f}x smaller than a bf16 DynamicCache at {cache.get_seq_length()} tokens" \
+        in printed
+    assert namespace["full"].shape[1] > inputs["input_ids"].shape[1]  # the full-precision answer beside it

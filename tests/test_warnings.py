@@ -1,5 +1,6 @@
 """pyproject's ``filterwarnings``: a FutureWarning/DeprecationWarning attributed to an hf_asymkv module fails the
-run; the same warning from another library's module does not (it is only reported)."""
+run; the same warning from another library's module does not (it is only reported); the library's own warning
+classes (``CacheReuseWarning``) fail a test that does not expect them."""
 
 from __future__ import annotations
 
@@ -29,3 +30,12 @@ def test_deprecation_from_another_library_is_only_recorded(category):
 def test_our_userwarnings_stay_warnings():
     with pytest.warns(UserWarning):
         _warn_from("hf_asymkv.core.layer", UserWarning)
+
+
+def test_our_own_warning_classes_are_errors_unless_expected():
+    from hf_asymkv.core.reuse import CacheReuseWarning
+
+    with pytest.raises(CacheReuseWarning):
+        _warn_from("hf_asymkv.core.reuse", CacheReuseWarning)
+    with pytest.warns(CacheReuseWarning):  # a test that expects it sees it
+        _warn_from("hf_asymkv.core.reuse", CacheReuseWarning)

@@ -10,6 +10,7 @@ decision lives in the layer.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 
 import torch
@@ -19,18 +20,42 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from .attention import ATTN_IMPLEMENTATION
 from .compat import reset_layer
 from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
+from .hooks import caller_hooked
 from .layer import AsymKVLayer
+from .nbytes import reachable_tensors, tensor_nbytes
 from .reuse import ReuseWatch
 from .scales import KVScales
 from .shapes import SLIDING_LAYER_TYPES, LayerShape, kv_layer_indices, layer_shapes, layer_types
 from .static import StaticAsymKVLayer
 
-__all__ = ["QUANTIZED_LAYERS", "AsymKVCache", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
+__all__ = ["EXACT_PARTS", "QUANTIZED_LAYERS", "AsymKVCache", "UnquantizedLayersWarning", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
 """``SLIDING_LAYER_TYPES``, ``kv_layer_indices`` and ``layer_types`` live in :mod:`hf_asymkv.core.shapes`; they are
 served here too for code written against earlier releases."""
 
+EXACT_PARTS = ("sink_", "window_", "pending_", "padded_sink_", "full_precision_layers")
+"""Footprint parts stored in the model's dtype (exact tokens); the others (codes, scales, zeros, wide bits) have
+dtypes of their own."""
+
 QUANTIZED_LAYERS = (AsymKVLayer, StaticAsymKVLayer)
 """The layer classes an :class:`AsymKVCache` quantizes with (dynamic, and static with ``max_cache_len``)."""
+
+
+class UnquantizedLayersWarning(UserWarning):
+    """The model has layer types this package does not quantize nor know (kept as transformers builds them)."""
+
+
+def _warn_unknown_layer_types(shapes: list[LayerShape]) -> None:
+    """One warning naming the layer types :class:`AsymKVCache` leaves to transformers (see :attr:`LayerShape.unknown`),
+    which layers they are, and what is quantized."""
+    unknown = [i for i, shape in enumerate(shapes) if shape.unknown]
+    if not unknown:
+        return
+    types = sorted({shapes[i].layer_type for i in unknown})
+    quantized = sum(shape.quantized for shape in shapes)
+    warnings.warn(UnquantizedLayersWarning(
+        f"AsymKVCache does not know the layer type(s) {types} (layers {unknown} of {len(shapes)}): they are kept as "
+        f"transformers' own cache layers for them, in full precision, and memory_footprint() counts them in "
+        f"'full_precision_layers'. {quantized} full-attention layer(s) are quantized."), stacklevel=3)
 
 
 class AsymKVCache(Cache):
@@ -70,10 +95,13 @@ class AsymKVCache(Cache):
     When ``model.config`` uses ``attn_implementation="asymkv_sdpa"`` (see :func:`hf_asymkv.register_attention`),
     the layers hand attention their stored codes instead of dense K/V (``cache.fused_attention`` is True).
 
-    A multi-token update (a prefill) of a layer stays exact in that layer until the cache's next update of any layer
-    (:meth:`settle`), so that code running after a layer's attention, such as a kvpress press, reads it exact and
-    can replace it with the tokens it keeps (``layer.keys = ...``, :mod:`hf_asymkv.core.kv_assign`), which are then
-    quantized once. Right after a forward the last layer's update still waits; ``settle()`` quantizes it now.
+    A plain prefill is stored as it arrives: after ``model(ids)`` or ``generate``'s prefill the cache holds what
+    :meth:`memory_footprint` reports, nothing exact waits. When the attention module that updates a layer has
+    forward hooks (a kvpress press, :mod:`hf_asymkv.core.hooks`), its multi-token update stays exact in that layer
+    until the cache's next update of any layer (:meth:`settle`), so that the press reads it exact and can replace it
+    with the tokens it keeps (``layer.keys = ...``, :mod:`hf_asymkv.core.kv_assign`), which are then quantized once;
+    after such a forward the last layer's update still waits (``memory_footprint()`` counts it as ``pending_*``),
+    and ``settle()`` quantizes it now.
     """
 
     def __init__(
@@ -102,12 +130,13 @@ class AsymKVCache(Cache):
             key_absmax = dict(self.scales.k_channel_absmax)
 
         shapes = layer_shapes(config)
-        if not any(shape.holds_kv for shape in shapes):
+        if not any(shape.holds_kv or shape.unknown for shape in shapes):
             declared = getattr(text_config, "layer_types", None) or [shape.layer_type for shape in shapes]
             raise ValueError(
                 f"config {type(config).__name__} has no attention layers (layer types {sorted(set(declared))}); "
                 "AsymKVCache needs at least one full or sliding attention layer."
             )
+        _warn_unknown_layer_types(shapes)
         # Group sizes must divide the head_dim of every layer that quantizes (the full-attention ones).
         self.shapes = shapes
         self.cache_config = self._resolved(cache_config)
@@ -179,6 +208,8 @@ class AsymKVCache(Cache):
             if isinstance(layer, StaticAsymKVLayer):
                 layer.check_room(key_states.shape[-2])
             self.reuse_watch.update(key_states.shape[-2], layer)
+        if isinstance(layer, AsymKVLayer):  # a prefill waits exact only for a hook that reads it (a press)
+            layer.hold_updates = key_states.shape[-2] > 1 and caller_hooked()
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if isinstance(layer, AsymKVLayer) and layer.pending_tokens and not layer.defers:
             self.held_layer = layer_idx  # static layers quantize in the step itself: nothing is held
@@ -196,7 +227,8 @@ class AsymKVCache(Cache):
     def crop(self, max_length: int) -> None:
         """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache."""
         super().crop(max_length)
-        self.reuse_watch.rewound(int(self.layers[self.reuse_watch.layer_idx].get_seq_length()))
+        if self.reuse_watch.layer_idx is not None:
+            self.reuse_watch.rewound(int(self.layers[self.reuse_watch.layer_idx].get_seq_length()))
 
     def reset(self) -> None:
         """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:
@@ -208,10 +240,11 @@ class AsymKVCache(Cache):
 
     @property
     def reuse_watch(self) -> ReuseWatch:
-        """The :class:`~hf_asymkv.core.reuse.ReuseWatch` of this cache (made on first use)."""
+        """The :class:`~hf_asymkv.core.reuse.ReuseWatch` of this cache (made on first use; it watches nothing on a
+        model without a quantized layer)."""
         if "_reuse_watch" not in self.__dict__:
-            self._reuse_watch = ReuseWatch(next(i for i, lay in enumerate(self.layers)
-                                                if isinstance(lay, QUANTIZED_LAYERS)))
+            self._reuse_watch = ReuseWatch(next((i for i, lay in enumerate(self.layers)
+                                                 if isinstance(lay, QUANTIZED_LAYERS)), None))
         return self._reuse_watch
 
     def activate_past_recording(self, **kwargs) -> None:
@@ -334,7 +367,6 @@ class AsymKVCache(Cache):
             layers = DynamicCache(config=text_config).layers
             for i, layer_config in self.layer_configs.items():
                 layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
-                layers[i].hold_updates = True
             return layers
         layers = [StaticAsymKVLayer(c, max_cache_len, key_absmax=key_absmax.get(i))  # checks max_cache_len first
                   for i, c in self.layer_configs.items()]
@@ -345,8 +377,8 @@ class AsymKVCache(Cache):
 
     def memory_footprint(self) -> dict[str, int | float]:
         """Real bytes of every tensor the cache holds, unused capacity included, and what full-precision caches
-        holding the same tokens would take. A layer update still held exact is quantized first (:meth:`settle`:
-        what the next update would do; the stored result is the same), so the bytes are those the cache keeps.
+        holding the same tokens would take. The cache is counted as it is (nothing is quantized to count it): an
+        update still held exact for a press (see the class) is the part ``pending_keys``/``pending_values``.
 
         Returns:
             - ``{part: bytes}`` for the quantized layers' parts (codes, scales, zeros, sinks, window,
@@ -359,15 +391,22 @@ class AsymKVCache(Cache):
               own window. This is what a user compares against on their own model;
             - ``ratio_vs_model_dtype``: ``model_dtype_equivalent / total`` (how many times smaller than that
               ``DynamicCache``; 0.0 while empty);
-            - ``bf16_equivalent``: the same cache in bf16 (2 bytes/element) whatever the model's dtype, the
-              figure the README's ratios use; on an fp32 model it is half of ``model_dtype_equivalent``;
+            - ``bf16_equivalent``: a bf16 ``DynamicCache`` (2 bytes/element) holding the same tokens, whatever the
+              model's dtype; on an fp32 model it is half of ``model_dtype_equivalent``;
+            - ``total_on_bf16``: this cache's ``total`` on a bf16 model (its exact parts, stored in the model's dtype:
+              sinks, window, pending tokens, full-precision layers, at 2 bytes per element; codes, scales and zeros
+              have their own dtypes); ``ratio_vs_bf16``: ``bf16_equivalent / total_on_bf16``, how many times smaller
+              than a bf16 ``DynamicCache``: the basis of the README's, the demo's and the presets table's ratios,
+              the same on an fp32 and a bf16 model;
+            - ``tokens``: the longest length a layer holds (the context the ratios are for);
             - a static cache (``max_cache_len``) also says ``allocated`` (``total``: every buffer is allocated at the
-              first update, for ``max_cache_len`` tokens) and ``used`` (``total - unused_capacity``: the bytes of
-              the tokens held, what a dynamic cache with the same settings would hold, slack aside).
+              first update, for ``max_cache_len`` tokens), ``bookkeeping`` (its lengths, counters, anchors and
+              rotation matrices) and ``used`` (``total - unused_capacity - bookkeeping``: the bytes of the tokens
+              held, what a dynamic cache with the same settings would hold, slack aside).
         """
-        self.settle()
         parts: Counter = Counter()
         equivalent: Counter = Counter()
+        exact_itemsize = 2
         for layer in self.layers:
             if isinstance(layer, QUANTIZED_LAYERS):
                 parts.update(layer.memory_footprint())
@@ -375,23 +414,29 @@ class AsymKVCache(Cache):
                     elements = layer.dense_elements()
                     equivalent["bf16"] += elements * 2
                     equivalent["model_dtype"] += elements * layer.dtype.itemsize
-            else:
-                held = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
-                parts["full_precision_layers"] += sum(t.numel() * t.element_size() for t in held)
-                equivalent["bf16"] += sum(t.numel() * 2 for t in held)
-                equivalent["model_dtype"] += sum(t.numel() * t.element_size() for t in held)
+                    exact_itemsize = layer.dtype.itemsize
+            else:  # transformers' own layer: every tensor it holds (K/V, recurrent states, compressor buffers)
+                held = list(reachable_tensors(layer))
+                parts["full_precision_layers"] += tensor_nbytes(held)
+                equivalent["bf16"] += sum(t.numel() * 2 if t.is_floating_point() else t.nbytes for t in held)
+                equivalent["model_dtype"] += sum(t.nbytes for t in held)
         total = sum(v for k, v in parts.items() if k != "unused_capacity")
-        ratio = equivalent["model_dtype"] / total if total else 0.0
-        static = {"allocated": total, "used": total - parts["unused_capacity"]} if self.max_cache_len else {}
+        exact = sum(v for k, v in parts.items() if k.startswith(EXACT_PARTS))
+        on_bf16 = total - exact + exact * 2 // exact_itemsize
+        used = total - parts["unused_capacity"] - parts["bookkeeping"]
+        static = {"allocated": total, "used": used} if self.max_cache_len else {}
         return {**dict(parts), "total": total, "model_dtype_equivalent": equivalent["model_dtype"],
-                "ratio_vs_model_dtype": ratio, "bf16_equivalent": equivalent["bf16"], **static}
+                "ratio_vs_model_dtype": equivalent["model_dtype"] / total if total else 0.0,
+                "bf16_equivalent": equivalent["bf16"], "total_on_bf16": on_bf16,
+                "ratio_vs_bf16": equivalent["bf16"] / on_bf16 if on_bf16 else 0.0,
+                "tokens": max((int(layer.get_seq_length()) for layer in self.layers
+                               if getattr(layer, "is_initialized", False)), default=0), **static}
 
     def stats(self) -> dict[str, int]:
         """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,
         ``key_overflow_channels``, ``key_widened_blocks``, ``key_clipped_values``, ``requantized_tokens`` (tokens a
         rollback returned from a block to the window, quantized again later), ``nonfinite_values`` (NaN/inf
-        elements that reached a quantized block), after :meth:`settle` (as :meth:`memory_footprint`)."""
-        self.settle()
+        elements that reached a quantized block), read as the cache is (a held update counts once it is settled)."""
         total: Counter = Counter()
         for layer in self.layers:
             if isinstance(layer, QUANTIZED_LAYERS):

@@ -19,10 +19,11 @@ as usual). The window therefore never exceeds ``residual_length + block_size + n
 update's. It is on while past recording is (``activate_past_recording()``: transformers' ``generate`` turns it on
 for assisted decoding and for returned caches it may roll back, and may leave it on) or while
 ``keep_latest_exact`` is set (e.g. to keep a prefill exact until the step after it); ``reset()`` ends both.
-With ``hold_updates`` (set by :class:`~hf_asymkv.core.cache.AsymKVCache` on its layers) a multi-token update is
-held pending the same way, but only until :meth:`AsymKVLayer.settle`, which the cache calls at its next update of
-any layer: code that runs between a layer's attention and the next layer's (a kvpress press) reads the update
-exact, and at most one layer's update waits. The stored result is the same as without holding, one call later.
+With ``hold_updates`` (set by :class:`~hf_asymkv.core.cache.AsymKVCache` for each update: on when the attention
+module calling it has forward hooks, :mod:`hf_asymkv.core.hooks`) a multi-token update is held pending the same
+way, but only until :meth:`AsymKVLayer.settle`, which the cache calls at its next update of any layer: code that
+runs between a layer's attention and the next layer's (a kvpress press) reads the update exact, and at most one
+layer's update waits. The stored result is the same as without holding, one call later.
 
 ``layer.keys`` / ``layer.values`` read the layer as dense tensors and accept pruned K/V
 (:mod:`hf_asymkv.core.kv_assign`), the part of transformers' layer API that kvpress presses use.
@@ -94,7 +95,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self.return_views = return_views
         self.record_past = False  # transformers' name: set by activate_past_recording(), cleared by generate
         self.keep_latest_exact = False
-        self.hold_updates = False  # AsymKVCache sets it: multi-token updates wait for settle() (module docstring)
+        self.hold_updates = False  # AsymKVCache sets it per update: a multi-token update waits for settle()
         self.rollbacks = 0  # crops that removed tokens (the cache's reuse watch reads it)
         self.key_absmax = key_absmax
         self.stats: Counter = Counter()
@@ -310,10 +311,18 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         return {**self.key_store.buffers(), **self.value_store.buffers()}
 
     def memory_footprint(self) -> dict[str, int]:
-        """Bytes of every tensor this layer holds, unused capacity included, by part."""
+        """Bytes of every tensor this layer holds, unused capacity included, by part. Window tokens that wait exact
+        (a held or deferred update) but that the next update or :meth:`settle` quantizes are their own part,
+        ``pending_keys``/``pending_values``, taken out of ``window_*``: the layer is counted as it is, not settled."""
         out: Counter = Counter()
         for store in self.stores:
             out.update(store.memory_footprint())
+        waiting = self._aged_out(self.key_store.window.length) if self.pending_tokens else 0
+        for store in self.stores if waiting else ():
+            window = store.window.data
+            moved = waiting * window[:, :, :1].numel() * window.element_size()
+            out[f"window_{store.kind}s"] -= moved
+            out[f"pending_{store.kind}s"] += moved
         return dict(out)
 
     def dense_elements(self) -> int:

@@ -28,14 +28,15 @@ class CacheReuseWarning(UserWarning):
 
 
 class ReuseWatch:
-    """Applies the rule above to the updates of one layer of a cache, ``layer_idx`` (the first quantized one).
+    """Applies the rule above to the updates of one layer of a cache, ``layer_idx`` (the first quantized one; None:
+    a cache without one, nothing is watched).
 
     It keeps ``seen``, the layer's length after the last update that was not a decode step (or after a crop or
     reset): a multi-token update that finds the layer longer than that comes after decode steps. Decode steps are
     not looked at, so the rule holds where they run inside a compiled graph that never calls :meth:`update`.
     """
 
-    def __init__(self, layer_idx: int):
+    def __init__(self, layer_idx: int | None):
         self.layer_idx = layer_idx
         self.seen = 0
         self.warned = False
@@ -45,8 +46,9 @@ class ReuseWatch:
         """Record one update of ``tokens`` tokens onto ``layer`` (a cache layer, before the update); warn by the rule.
         Reads the layer's length on the host for updates of other than one token only. A rollback of the layer since
         the last update (its ``rollbacks`` count moved: e.g. kvpress's pipeline slicing the cache back to its
-        context) is one asked for: the length it left is the new reference."""
-        if tokens == 1:
+        context) is one asked for: the length it left is the new reference. An empty update (a read: no token
+        arrives) is no input at all."""
+        if tokens <= 1:
             return
         held = int(layer.get_seq_length())
         rollbacks = getattr(layer, "rollbacks", 0)

@@ -12,10 +12,14 @@ from dataclasses import dataclass
 
 from .compat import cache_layer_types
 
-__all__ = ["SLIDING_LAYER_TYPES", "LayerShape", "kv_layer_indices", "layer_shapes", "layer_types"]
+__all__ = ["NO_KV_LAYER_TYPES", "SLIDING_LAYER_TYPES", "LayerShape", "kv_layer_indices", "layer_shapes", "layer_types"]
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 """Layer types kept in transformers' own bounded full-precision sliding-window layer."""
+
+NO_KV_LAYER_TYPES = ("dummy", "linear_attention", "conv", "moe", "mlp")
+"""Layer types that hold no K/V: KV-sharing consumers and attention-free layers, recurrent and convolution states
+(transformers' ``DummyLayer`` and ``LinearAttentionLayer``)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,12 @@ class LayerShape:
     def quantized(self) -> bool:
         """The layers an :class:`~hf_asymkv.AsymKVCache` quantizes (full attention)."""
         return self.layer_type == "full_attention"
+
+    @property
+    def unknown(self) -> bool:
+        """A layer type this package does not know (transformers adds types every release: ``hybrid``,
+        ``heavily_compressed_attention``, ...): the cache keeps transformers' own layer for it, unquantized."""
+        return not (self.holds_kv or self.layer_type in NO_KV_LAYER_TYPES)
 
 
 def layer_types(config) -> list[str]:

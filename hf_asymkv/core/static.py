@@ -235,13 +235,18 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         return out if batched else out + [self.length, self.blocks_stored, self.counts]
 
     def memory_footprint(self) -> dict[str, int]:
-        """Allocated bytes by part, and ``unused_capacity``: the allocated bytes no token fills yet."""
+        """Allocated bytes by part, and ``unused_capacity``: the allocated bytes no token fills yet; ``bookkeeping``:
+        the filled length, block count and counters (0-d and small tensors a graph reads), the rows' sink anchors and
+        the stores' rotation matrices."""
         if not self.is_initialized:
             return {}
         held = int(self.length)
         out: Counter = Counter()
         for store in self.stores:
             out.update(store.memory_footprint(held, int(self.blocks_stored)))
+        small = [self.length, self.blocks_stored, self.counts]
+        small += [t for store in self.stores for t in (store.overlay.anchors, store.rotation) if t is not None]
+        out["bookkeeping"] += sum(t.numel() * t.element_size() for t in small)
         return dict(out)
 
     def dense_elements(self) -> int:

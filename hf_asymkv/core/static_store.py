@@ -69,8 +69,9 @@ class StaticTensorStore:
             r = self.spec.wide_count(d)
             self.wide_bits = torch.zeros(b, h, slots, -(-r // 8), dtype=torch.uint8, device=like.device)
             self.wide_channels = torch.zeros(b, h, n_blocks, r, dtype=torch.uint8, device=like.device)
-        # the rotation as a tensor of the store: a graph reads it instead of calling the cached constructor
-        self.rotation = hadamard(d, torch.float32, like.device) if self.spec.rotated else None
+        # the rotation as a tensor of the store (a graph reads it instead of calling the cached constructor), a copy of
+        # its own: the store's footprint counts it
+        self.rotation = hadamard(d, torch.float32, like.device).clone() if self.spec.rotated else None
         if self.sink_count:
             self.overlay.preallocate(b, h, d, like.dtype, like.device)
 

@@ -1,7 +1,9 @@
 """`hf-asymkv demo`: one long-document retrieval prompt, full precision and AsymKVCache side by side.
 
-Each cache answers the same prompt by greedy ``generate``. The table shows the real KV bytes in the model's own
-dtype next to the same caches on a bf16 model (the README's comparison). Decode speed is shown only when asked
+Each cache answers the same prompt by greedy ``generate``. The table's first column is how many times smaller than a
+bf16 ``DynamicCache`` holding the same tokens each cache is (``memory_footprint()["ratio_vs_bf16"]``: the basis of
+the README's and the presets table's ratios, the same on an fp32 and a bf16 model), with the tokens it holds; then
+the real KV bytes, on a bf16 model and in the model's own dtype (what this run holds). Decode speed is shown only when asked
 for (``timing_runs``): one run's timing flips between runs on a busy machine (ours 4x faster in one, 1.5x slower
 in the next), so a figure needs repeated, interleaved runs: each run's median time per generated token after
 warm-up steps, read from a streamer that stamps every token ``generate`` emits, then the median over runs and
@@ -34,7 +36,8 @@ MIN_TIMED_STEPS = 3
 
 @dataclass
 class DemoRow:
-    """One cache's answer, its KV bytes as held and on a bf16 model, and (when timed) its decode speed.
+    """One cache's answer, its KV bytes as held and on a bf16 model, how many times smaller than a bf16
+    ``DynamicCache`` of the same ``tokens`` it is, and (when timed) its decode speed.
 
     ``run_ms``: per timed run, the median milliseconds per decode step over ``timed_steps`` steps (a run with too
     few steps is left out); empty when not timed.
@@ -45,6 +48,8 @@ class DemoRow:
     correct: bool
     kv_bytes: int
     kv_bytes_bf16: int
+    ratio_vs_bf16: float = 1.0
+    tokens: int = 0
     run_ms: list[float] = field(default_factory=list)
     timed_steps: int = 0
 
@@ -80,15 +85,13 @@ class StepClock(BaseStreamer):
 def bf16_bytes(cache, held_bytes: int, itemsize: int) -> int:
     """The bytes ``cache`` would hold for the same tokens on a bf16 model.
 
-    A ``DynamicCache`` holds only K/V in the model's dtype (``itemsize`` bytes/element): it scales to 2 bytes.
-    In an :class:`AsymKVCache` only the exact parts (sinks and window, ``sink_*``/``window_*``) are in the model's
-    dtype; codes, scales and zeros have their own dtypes and do not change.
+    A ``DynamicCache`` holds only K/V in the model's dtype (``itemsize`` bytes/element): it scales to 2 bytes. An
+    :class:`AsymKVCache` says it itself (``memory_footprint()["total_on_bf16"]``: its exact parts at 2 bytes, codes,
+    scales and zeros unchanged).
     """
     if not isinstance(cache, AsymKVCache):
         return held_bytes * 2 // itemsize
-    footprint = cache.memory_footprint()
-    exact = sum(v for k, v in footprint.items() if k.startswith(("sink_", "window_")))
-    return footprint["total"] - exact + exact * 2 // itemsize
+    return cache.memory_footprint()["total_on_bf16"]
 
 
 CACHES = (("DynamicCache (full precision)", lambda config: DynamicCache(config=config)),
@@ -126,8 +129,10 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
             if run == 0:
                 answer = tokenizer.decode(out[0, n_prompt:], skip_special_tokens=True).strip()
                 held = cache_nbytes(cache)
+                footprint = cache.memory_footprint() if isinstance(cache, AsymKVCache) else {}
                 rows.append(DemoRow(name, answer, score_answer(answer, prompt.answer), held,
-                                    bf16_bytes(cache, held, itemsize)))
+                                    bf16_bytes(cache, held, itemsize), footprint.get("ratio_vs_bf16", 1.0),
+                                    cache.get_seq_length()))
             ms, steps = clock.decode_ms()
             if timing_runs and ms is not None:
                 rows[k].run_ms.append(ms)
@@ -138,31 +143,32 @@ def run_demo(model, tokenizer, *, context_tokens: int = 3000, depth: float = 0.3
 
 
 def format_demo(rows: list[DemoRow], info: dict) -> str:
-    """A plain-text table: KV MiB and "x smaller" against the first (full-precision) row, in the model's dtype
-    and (when that is not bf16) on a bf16 model, side by side; decode ms/token when timed; then the answer."""
+    """A plain-text table: x smaller than a bf16 ``DynamicCache`` of the same tokens (the README's basis) with the
+    tokens held; KV MiB on a bf16 model and (when the model is not bf16) as this run holds them; decode ms/token
+    when timed; then the answer."""
     dtype = info.get("dtype", "?")
     both = dtype != "bfloat16"
     timed = any(r.run_ms for r in rows)
     head = (f"Prompt: {info['prompt_tokens']} tokens; the access code for the {info['key']} "
             f"({info['expected']}) sits {info['depth']:.0%} into the document.\n")
-    kv_head = f"{'KV MiB ' + dtype:>16} {'x smaller':>9}"
+    kv_head = f"{'x smaller than bf16':>19} {'tokens':>6} {'KV MiB bf16':>11}"
     if both:
-        kv_head += f" {'KV MiB bf16':>12} {'x smaller':>9}"
+        kv_head += f" {'KV MiB ' + dtype:>14}"
     if timed:
         kv_head += f" {'decode ms/token (range)':>24}"
     width = max(len("cache"), *(len(r.cache) for r in rows))
     lines = [f"{'cache':{width}} {kv_head}  {'ok':3} answer"]
     for r in rows:
-        kv = f"{r.kv_bytes / 2**20:16.2f} {rows[0].kv_bytes / r.kv_bytes:9.2f}"
+        kv = f"{r.ratio_vs_bf16:19.2f} {r.tokens:6d} {r.kv_bytes_bf16 / 2**20:11.2f}"
         if both:
-            kv += f" {r.kv_bytes_bf16 / 2**20:12.2f} {rows[0].kv_bytes_bf16 / r.kv_bytes_bf16:9.2f}"
+            kv += f" {r.kv_bytes / 2**20:14.2f}"
         if timed:
             spread = f"{r.decode_ms:.1f} ({min(r.run_ms):.1f}-{max(r.run_ms):.1f})" if r.run_ms else "n/a"
             kv += f" {spread:>24}"
         lines.append(f"{r.cache:{width}} {kv}  {'yes' if r.correct else 'no':3} {' '.join(r.answer.split())}")
-    if both:
-        lines.append(f"KV MiB {dtype}: what this run holds (model dtype {dtype}). KV MiB bf16: the same caches on a "
-                     "bf16 model (exact tokens at 2 bytes, codes and scales unchanged), the README's comparison.")
+    lines.append("x smaller than bf16: than a bf16 DynamicCache holding the same tokens (memory_footprint()"
+                 "['ratio_vs_bf16'], the README's basis; the saving grows with the context). KV MiB bf16: the cache "
+                 "on a bf16 model" + (f"; KV MiB {dtype}: what this run holds." if both else "."))
     if timed:
         lines.append(f"decode ms/token: median over {info.get('timing_runs', len(rows[0].run_ms))} interleaved runs "
                      f"of each run's median step after {WARMUP_STEPS} warm-up steps, with the range over runs (n/a: "

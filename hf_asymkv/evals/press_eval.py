@@ -18,7 +18,7 @@ pipeline feeds it: a press leaves fewer tokens in the cache than the context had
 Recorded per run: the real **bytes** the cache holds after the context (:func:`hf_asymkv.bench.memory.cache_nbytes`:
 every tensor, capacity included, after :meth:`AsymKVCache.settle`: no dense copy of the prefill is left to count),
 and ``bf16_nbytes``, the same tensors with those held in the model's dtype (a ``DynamicCache``'s K/V; our exact
-sinks and window, by :meth:`AsymKVCache.memory_footprint`'s parts) counted at 2 bytes per element: what the cache
+parts, :meth:`AsymKVCache.memory_footprint`'s ``total_on_bf16``) counted at 2 bytes per element: what the cache
 holds on a bf16 model, compared with a bf16 ``DynamicCache`` holding the whole context (``x_smaller``); the
 **answer** (correct or not; lost/gained against full precision and against the press alone); the **tail KL**:
 mean KL(full || run) of the question tokens' next-token distributions, nats, and the same against the press alone
@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from ..bench.memory import cache_nbytes
-from ..core.cache import AsymKVCache
+from ..core.cache import EXACT_PARTS, AsymKVCache
 from ..models import input_device
 from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
 from .needle import score_task
@@ -95,21 +95,18 @@ def context_and_question(tokenizer, task) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[None, :n], ids[None, n:]
 
 
-EXACT_PARTS = ("sink_keys", "sink_values", "window_keys", "window_values", "padded_sink_keys", "padded_sink_values",
-               "full_precision_layers")
-"""The parts of :meth:`AsymKVCache.memory_footprint` held in the model's dtype."""
-
-
 def _held(cache, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """``(real bytes, bytes on a bf16 model, of which held exact, tokens held by the first layer)`` after the
-    context."""
-    nbytes = cache_nbytes(cache)  # settles our cache first: the last layer's update is quantized, as the question's
-    in_model_dtype = nbytes  # first update would do
-    if isinstance(cache, AsymKVCache):
-        parts = cache.memory_footprint()
-        in_model_dtype = sum(parts.get(name, 0) for name in EXACT_PARTS)
-    exact = in_model_dtype * 2 // dtype.itemsize
-    return nbytes, nbytes - in_model_dtype + exact, exact, cache.get_seq_length()
+    context. Our cache is settled first: the last layer's pressed update is quantized, as the question's first
+    update would do."""
+    if not isinstance(cache, AsymKVCache):
+        nbytes = cache_nbytes(cache)  # a DynamicCache: every byte is K/V in the model's dtype
+        return nbytes, nbytes * 2 // dtype.itemsize, nbytes * 2 // dtype.itemsize, cache.get_seq_length()
+    cache.settle()
+    nbytes = cache_nbytes(cache)
+    parts = cache.memory_footprint()
+    exact = sum(v for k, v in parts.items() if k.startswith(EXACT_PARTS)) * 2 // dtype.itemsize
+    return nbytes, parts["total_on_bf16"], exact, cache.get_seq_length()
 
 
 def _prefill(model, context: torch.Tensor, cache, press=None):

@@ -23,6 +23,7 @@ from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from hf_asymkv import PRESETS, AsymKVCache, AsymKVLayer, cache_kwargs
+from hf_asymkv.bench.memory import cache_nbytes
 from hf_asymkv.core.compat import (
     DUMMY_LAYER_CLASSES,
     DYNAMIC_CACHE_RESET_EMPTIES,
@@ -485,6 +486,48 @@ def test_memory_footprint_and_bf16_equivalent(llama, prompt):
     assert 0 < fp["total"] < 2 * fp["bf16_equivalent"]  # fp32 model: exact parts cost 2x bf16, codes far less
     assert set(cache.stats()) >= {"tokens_quantized", "blocks_quantized", "flushes", "requantized_tokens"}
     assert "AsymKVCache(" in repr(cache)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("prefill", ["forward", "generate"])
+@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+def test_a_prefill_leaves_what_the_footprint_reports(llama, preset, prefill, static):
+    """After ``model(ids)`` or ``generate``'s prefill (one new token: the prefill step only) the cache holds the
+    settled cache: every tensor reachable from it adds up to ``memory_footprint()["total"]``, nothing waits exact,
+    and counting changed nothing (issue 41: the last layer's prompt stayed exact until the first decode step)."""
+    ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(0))
+    extra = {"max_cache_len": 320} if static else {}
+    cache = AsymKVCache.from_preset(preset, llama.config, **extra)
+    with torch.no_grad():
+        if prefill == "forward":
+            llama(ids, **cache_kwargs(cache))
+        else:
+            _gen(llama, ids, cache_kwargs(cache), max_new_tokens=1)
+    before = cache_nbytes(cache), cache.stats()
+    footprint = cache.memory_footprint()
+    assert footprint["total"] == before[0]
+    assert not [part for part in footprint if part.startswith("pending_")]
+    assert all(getattr(layer, "pending_tokens", 0) == 0 for layer in cache.layers) and cache.held_layer is None
+    assert cache.stats()["tokens_quantized"] > 0 and (cache_nbytes(cache), cache.stats()) == before
+    assert footprint["tokens"] == 300
+
+
+@pytest.mark.parametrize("preset", ["balanced", "max"])
+def test_ratio_vs_bf16_is_the_same_on_fp32_and_bf16_models(llama, preset):
+    """``ratio_vs_bf16`` (the README's, the demo's and the Quick start's basis) is the cache's real ratio on a bf16
+    model, and an fp32 model reports that same figure; ``ratio_vs_model_dtype`` is each model's own."""
+    ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(0))
+    footprints = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = llama if dtype == torch.float32 else copy.deepcopy(llama).to(dtype)
+        cache = AsymKVCache.from_preset(preset, model.config)
+        with torch.no_grad():
+            model(ids, **cache_kwargs(cache))
+        footprints[dtype] = cache.memory_footprint()
+    fp32, bf16 = footprints[torch.float32], footprints[torch.bfloat16]
+    assert bf16["total_on_bf16"] == bf16["total"] and bf16["ratio_vs_bf16"] == bf16["ratio_vs_model_dtype"]
+    assert fp32["total_on_bf16"] == bf16["total"] and fp32["ratio_vs_bf16"] == bf16["ratio_vs_bf16"]
+    assert fp32["ratio_vs_model_dtype"] > fp32["ratio_vs_bf16"] > 1.0
 
 
 # SmolLM2-135M's attention shape (head_dim 64, 3 KV heads), two layers: bytes per layer depend on shapes only.

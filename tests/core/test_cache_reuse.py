@@ -63,3 +63,15 @@ def test_a_prefill_in_chunks_then_decoding_is_silent(llama):
 def test_assisted_decoding_is_silent(llama, llama_assistant):
     """Draft verification feeds several tokens after decode steps, under activate_past_recording."""
     assert _generate(llama, _prompt(20, 0), AsymKVCache(llama.config), assistant_model=llama_assistant)[1] == []
+
+
+def test_an_empty_update_after_decoding_is_silent(llama):
+    """A 0-token update (a read of the layer, as tests and tools do) brings no new prompt: no warning (it warned
+    before, from tests/core/test_cache_overrides.py, and escaped the suite)."""
+    cache = AsymKVCache(llama.config)
+    _generate(llama, _prompt(20, 0), cache)
+    empty = torch.zeros(1, llama.config.num_key_value_heads, 0, llama.config.head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheReuseWarning)
+        for i in range(len(cache.layers)):
+            cache.update(empty, empty, i)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_asymkv import AsymKVCache, AsymKVConfig, AsymKVLayer, cache_kwargs
+from hf_asymkv.bench.memory import cache_nbytes
 from hf_asymkv.core.attention import asymkv_sdpa_attention
 from hf_asymkv.core.kv_view import QuantizedKV
 from hf_asymkv.core.quant import sqnr_db
@@ -163,16 +164,54 @@ def test_a_left_padded_batch_refuses_a_replacement():
         layer.keys, layer.values = kept(k, v, 20)
 
 
-def test_the_cache_holds_one_layer_until_its_next_update(llama):
+class Attention(torch.nn.Module):
+    """Stands for a model's attention module: it hands its K/V to the cache from its own ``forward``, as
+    transformers' attention modules do (:mod:`hf_asymkv.core.hooks` looks for it on the stack)."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, cache, k, v):
+        return cache.update(k, v, self.layer_idx)
+
+
+def test_the_cache_holds_one_layer_until_its_next_update_under_a_hook(llama):
+    """A forward hook on the attention module (a press) reads the layer's update exact: held until the next update
+    of any layer. ``memory_footprint()`` counts what waits as ``pending_*`` and changes nothing."""
     cache = AsymKVCache(llama.config, **SETTINGS)
     k, v = kv(40)
-    cache.update(k, v, 0)
+    seen = []
+    modules = [Attention(i) for i in range(2)]
+    for module in modules:
+        module.register_forward_hook(lambda m, args, out: seen.append(cache.layers[m.layer_idx].keys.clone()))
+    modules[0](cache, k, v)
     assert cache.held_layer == 0 and cache.layers[0].key_store.blocks.length == 0
-    cache.update(k, v, 1)  # layer 0's update had its turn
+    assert torch.equal(seen[0], k)  # the hook read the exact update
+    modules[1](cache, k, v)  # layer 0's update had its turn
     assert cache.held_layer == 1 and cache.layers[0].key_store.blocks.length == 24
     assert cache.layers[1].key_store.blocks.length == 0
-    assert cache.memory_footprint()["window_keys"] > 0 and cache.layers[1].key_store.blocks.length == 24
-    assert cache.held_layer is None
+    footprint = cache.memory_footprint()
+    assert footprint["pending_keys"] == footprint["pending_values"] == 24 * B * H * D * 4
+    assert cache.held_layer == 1 and cache.layers[1].key_store.blocks.length == 0  # counted as it is
+    assert footprint["total"] == cache_nbytes(cache)
+    cache.settle()
+    assert cache.held_layer is None and cache.layers[1].key_store.blocks.length == 24
+    assert "pending_keys" not in cache.memory_footprint()
+
+
+@pytest.mark.parametrize("caller", ["module", "hand"])
+def test_an_update_without_a_hook_is_stored_at_once(llama, caller):
+    """No hook reads it: a multi-token update is quantized in the update itself, whether a module without hooks or
+    user code calls ``cache.update``."""
+    cache = AsymKVCache(llama.config, **SETTINGS)
+    k, v = kv(40)
+    if caller == "module":
+        Attention(0)(cache, k, v)
+    else:
+        cache.update(k, v, 0)
+    assert cache.held_layer is None and cache.layers[0].key_store.blocks.length == 24
+    assert cache.layers[0].pending_tokens == 0
 
 
 def test_a_rollback_by_assignment_is_not_a_reused_cache(llama):

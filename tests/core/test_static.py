@@ -13,6 +13,7 @@ from conftest import PROMPT_LEN
 from transformers import CompileConfig
 
 from hf_asymkv import PRESETS, AsymKVCache, cache_kwargs
+from hf_asymkv.bench.memory import cache_nbytes
 from hf_asymkv.core.compat import CROP_TAKES_LENGTH_TO_KEEP
 from hf_asymkv.core.static import StaticAsymKVLayer
 
@@ -92,7 +93,11 @@ def test_memory_footprint_says_allocated_and_used(llama, prompt):
     mine, theirs = static.memory_footprint(), dynamic.memory_footprint()
     stores = [store for layer in _static_layers(static) for store in layer.stores]
     parts = [t for s in stores for t in (s.sinks, s.codes, s.scales, s.zeros, s.window, s.overlay.tokens)]
-    assert mine["allocated"] == mine["total"] == sum(t.numel() * t.element_size() for t in parts if t is not None)
+    small = [t for s in stores for t in (s.overlay.anchors, s.rotation)]
+    small += [t for layer in _static_layers(static) for t in (layer.length, layer.blocks_stored, layer.counts)]
+    assert mine["bookkeeping"] == sum(t.numel() * t.element_size() for t in small if t is not None)
+    assert mine["allocated"] == mine["total"] == sum(t.numel() * t.element_size() for t in parts if t is not None) \
+        + mine["bookkeeping"] == cache_nbytes(static)
     assert mine["used"] == theirs["total"] - theirs["unused_capacity"]  # the held tokens' bytes, slack aside
     assert 0 < mine["used"] < mine["allocated"] and "allocated" not in theirs
     assert "max_cache_len=96" in repr(static)

@@ -1,5 +1,7 @@
-"""The demo's numbers: KV bytes in the model's dtype beside the bf16 figure, named as such; decode ms/token only
-when asked for, over interleaved runs (median of each run's timed steps after warm-up), or nothing."""
+"""The demo's numbers: first how many times smaller than a bf16 DynamicCache of the same tokens (the README's and
+``memory_footprint()["ratio_vs_bf16"]``'s basis) with the tokens held, then KV bytes on bf16 and in the model's
+dtype; decode ms/token only when asked for, over interleaved runs (median of each run's timed steps after warm-up),
+or nothing."""
 
 import copy
 
@@ -16,21 +18,36 @@ INFO = {"prompt_tokens": 3112, "expected": "3471", "depth": 0.35, "key": "glass 
 
 
 def _rows(timed: bool = True):
-    return [DemoRow("DynamicCache", "The code is 3471.", True, 4 * 2**20, 2 * 2**20, [12.0, 14.0, 11.0] if timed else []),
-            DemoRow("AsymKVCache", "The code is 3471.", True, 2**20, 2**19 + 2**18)]
+    return [DemoRow("DynamicCache", "The code is 3471.", True, 4 * 2**20, 2 * 2**20, 1.0, 3135,
+                    [12.0, 14.0, 11.0] if timed else []),
+            DemoRow("AsymKVCache", "The code is 3471.", True, 2**20, 2**19 + 2**18, 2.5, 3135)]
 
 
-def test_format_demo_shows_model_dtype_and_bf16_side_by_side():
+def test_format_demo_leads_with_the_bf16_ratio_and_the_tokens():
     text = format_demo(_rows(), {**INFO, "timing_runs": 3})
     assert "3112 tokens" in text and "(3471) sits 35% into the document" in text
     header = text.splitlines()[1]
-    assert "KV MiB float32" in header and "KV MiB bf16" in header and "decode ms/token (range)" in header
+    assert header.split()[1:5] == ["x", "smaller", "than", "bf16"]
+    assert "tokens" in header and "KV MiB bf16" in header and "KV MiB float32" in header
+    assert "decode ms/token (range)" in header
     ours = next(line for line in text.splitlines() if line.startswith("AsymKVCache")).split()
-    assert ours[1:5] == ["1.00", "4.00", "0.75", "2.67"]  # fp32 MiB, x smaller; bf16 MiB, x smaller
+    assert ours[1:5] == ["2.50", "3135", "0.75", "1.00"]  # x smaller than bf16, tokens; bf16 MiB, fp32 MiB
     assert ours[5] == "n/a" and "yes" in ours and "3471." in ours  # too few steps: no timing
     assert "12.0 (11.0-14.0)" in next(line for line in text.splitlines() if line.startswith("DynamicCache"))
     assert f"median over 3 interleaved runs of each run's median step after {WARMUP_STEPS} warm-up steps" in text
-    assert "the README's comparison" in text
+    assert "the README's basis" in text
+
+
+def test_the_demo_prints_the_footprint_ratio(llama, prompt):
+    """The demo's first column is the cache's own ``ratio_vs_bf16`` for the tokens it holds, what the Quick start
+    prints (tests/test_readme.py) and the presets table measures."""
+    cache = AsymKVCache(llama.config, residual_length=8, key_block_size=8)
+    llama.generate(prompt, **cache_kwargs(cache), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    footprint = cache.memory_footprint()
+    row = DemoRow("AsymKVCache", "x", True, cache_nbytes(cache), bf16_bytes(cache, cache_nbytes(cache), 4),
+                  footprint["ratio_vs_bf16"], cache.get_seq_length())
+    dynamic_bf16 = footprint["bf16_equivalent"]
+    assert row.ratio_vs_bf16 == pytest.approx(dynamic_bf16 / row.kv_bytes_bf16) and row.tokens == footprint["tokens"]
 
 
 def test_format_demo_without_timing_prints_no_speed_figure():
@@ -73,7 +90,7 @@ def test_timing_runs_are_interleaved(llama, monkeypatch, runs, calls):
 
 def test_format_demo_on_a_bf16_model_shows_one_set():
     text = format_demo(_rows(), {**INFO, "dtype": "bfloat16"})
-    assert text.splitlines()[1].count("KV MiB") == 1 and "KV MiB bfloat16" in text
+    assert text.splitlines()[1].count("KV MiB") == 1 and "KV MiB bfloat16" not in text
 
 
 def test_step_clock_median_after_warmup():

@@ -1,0 +1,82 @@
+"""Every causal-LM architecture of the installed transformers, built tiny and random from its default config: where
+transformers' own ``DynamicCache`` generates, ``AsymKVCache`` generates the same tokens with a window wider than the
+run, and runs (quantizing what it can) with a small one.
+
+Layer types the cache does not know (transformers adds some every release: ``hybrid``, ``hybrid_sliding``,
+``heavily_compressed_attention``, ...) are kept as transformers' own layers, with one
+:class:`~hf_asymkv.core.cache.UnquantizedLayersWarning` naming them (issue 41: three architectures of 5.25 were
+refused outright). An architecture is skipped, with the reason, where its shrunk default config does not build or
+its ``DynamicCache`` run fails (encoder-decoder heads, models that need extra inputs, ...); that is transformers'
+side, not ours. Run once, on the newest transformers (CI step 1); each architecture costs well under a second.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from hf_asymkv import AsymKVCache, cache_kwargs
+from hf_asymkv.bench.memory import cache_nbytes
+from hf_asymkv.core.cache import UnquantizedLayersWarning
+from hf_asymkv.core.shapes import layer_shapes
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+"""Set on every default config that has the attribute (others keep their defaults)."""
+MAX_PARAMETERS = 5_000_000
+"""A config that stays larger than this after :data:`SIZES` (nested sub-configs) is skipped: not tiny."""
+PROMPT, NEW = 12, 12
+SMALL = dict(residual_length=8, key_block_size=8)  # 4 sinks + 8 + 8: the run quantizes a block
+
+
+def _tiny(name: str):
+    config = CONFIG_MAPPING[name]()
+    for key, value in SIZES.items():
+        if hasattr(config, key):
+            try:
+                setattr(config, key, value)
+            except (AttributeError, ValueError, TypeError):
+                pass
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if parameters > MAX_PARAMETERS:
+        pytest.skip(f"{name}: {parameters / 1e6:.0f}M parameters after shrinking the default config")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None  # a fixed number of tokens
+    return model
+
+
+def _generate(model, ids, cache) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, **cache_kwargs(cache), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+def test_asymkv_generates_what_dynamic_cache_does(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own notes on shrunk configs
+        try:
+            model = _tiny(name)
+            ids = torch.randint(3, 200, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+            reference = _generate(model, ids, DynamicCache(config=model.config))
+        except Exception as exc:  # transformers' side: the architecture does not run this way
+            pytest.skip(f"{name}: DynamicCache run fails: {type(exc).__name__}: {str(exc)[:120]}")
+    unknown = sorted({s.layer_type for s in layer_shapes(model.config) if s.unknown})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnquantizedLayersWarning)
+        wide = AsymKVCache(model.config, residual_length=4096)
+        small = AsymKVCache(model.config, **SMALL)
+    said = [w for w in caught if issubclass(w.category, UnquantizedLayersWarning)]
+    assert len(said) == (2 if unknown else 0)  # one per cache, naming the types
+    assert all(str(unknown) in str(w.message) for w in said)
+    assert torch.equal(_generate(model, ids, wide), reference)
+    assert _generate(model, ids, small).shape == reference.shape
+    assert small.memory_footprint()["total"] == cache_nbytes(small)
