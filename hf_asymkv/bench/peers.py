@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..core.shapes import layer_shapes
 from . import peer_formats as pf
-from .schemes import PEER_SCHEMES
+from .peer_names import PEER_SCHEMES
 
 __all__ = ["PEERS", "KiviLayer", "PeerCache", "PeerFormat", "PeerLayer", "make_peer_cache"]
 
@@ -39,7 +39,7 @@ class PeerFormat:
     """One peer's KV format.
 
     Args:
-        name: scheme name, one of :data:`hf_asymkv.bench.schemes.PEER_SCHEMES` (the torch-free list of names).
+        name: scheme name, one of :data:`hf_asymkv.bench.peer_names.PEER_SCHEMES` (the torch-free list of names).
         description: one line for tables.
         source: where the format is defined (repository file or paper section).
         quantize: ``(layer, keys, values) -> (keys, values)``, ``[B, kv_heads, T, head_dim]`` each,

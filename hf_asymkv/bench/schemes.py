@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ..core.registry import PRESET_NAMES
+from .peer_names import PEER_SCHEMES
 
 if TYPE_CHECKING:  # torch, transformers and the core load inside the factories: the CLI lists names cheaply
     from transformers import PreTrainedConfig
@@ -125,22 +126,6 @@ SCHEMES.update({f"asymkv-{name}": (f"ours, preset {name!r} (hf_asymkv.PRESETS)",
 SCHEMES.update({f"asymkv-{name}-fused": (f"ours, preset {name!r} with the fused attention "
                                          "(attn_implementation='asymkv_sdpa')", _fused(_preset(name)))
                 for name in PRESET_NAMES})
-
-# The peers' emulations: their names are written here once (the CLI lists and checks them without importing torch);
-# hf_asymkv.bench.peers.PEERS defines one format under each, and refuses any other name.
-PEER_SCHEMES = {
-    "vllm-int8-pth": "vLLM int8_per_token_head",
-    "vllm-int4-pth": "vLLM int4_per_token_head (randomized Hadamard)",
-    "vllm-tq-k8v4": "vLLM turboquant_k8v4",
-    "vllm-fp8-tensor": "vLLM fp8_e4m3, per-tensor scales from the first forward",
-    "llama-q8_0": "llama.cpp q8_0 cache",
-    "llama-q4_0": "llama.cpp q4_0 cache",
-    "llama-q8_0-rot": "llama.cpp q8_0 cache with the Hadamard rotation",
-    "llama-q4_0-rot": "llama.cpp q4_0 cache with the Hadamard rotation",
-    "kivi-2": "KIVI-2 (2-bit, K per channel / V per token, groups of 32, window 128)",
-    "kivi-4": "KIVI-4",
-}
-
 
 def _peer(name: str) -> Factory:
     def build(config: PreTrainedConfig) -> Cache:

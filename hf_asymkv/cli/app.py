@@ -5,7 +5,8 @@ building the parser and ``--help`` stay fast (``tests/cli/test_cli_app.py`` hold
 while the command line is parsed (:mod:`.args`), before a model loads.
 
 Exit codes: 0 success; 2 a usage error (argparse's message) or a bad value found by a command (``error: ...``
-on stderr); ``hf-asymkv`` (or ``hf-asymkv eval``) without a command prints the command list and exits 2.
+on stderr). ``hf-asymkv`` (or ``hf-asymkv eval``) without a command prints the command list and exits 0: showing
+it is what was asked for (as ``--help``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    if args.func is None:  # no command: the command list, on stdout, and the usage-error exit code
+    if args.func is None:  # no command: the command list, on stdout, as --help shows it
         args.usage_parser.print_help()
-        return 2
+        return 0
     try:
         check_inputs(args)  # input paths exist: before anything heavy loads
         return args.func(args)

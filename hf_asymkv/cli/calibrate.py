@@ -124,7 +124,7 @@ def add_parser(sub) -> None:
                    help="local .txt/.md (read as is), .jsonl/.json/.parquet (through `datasets`, streamed) file or "
                         "folder of them, or a `datasets` name")
     p.add_argument("--split", default="train", help="dataset split (datasets names only; default train)")
-    p.add_argument("--text-field", "--text-column", dest="text_column", default="text",
+    p.add_argument("--text-field", "--text-column", dest="text_column", default="text", metavar="FIELD",
                    help="text field of .jsonl/.json/.parquet rows and datasets")
     p.add_argument("--seq-len", type=at_least(1), default=None,
                    help="sample length in tokens: use your production context length (default: 8192, cut to the "

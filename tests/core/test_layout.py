@@ -20,14 +20,15 @@ TOOLING_THIRD_PARTY = ("matplotlib", "datasets", "safetensors.torch", "accelerat
 IMPORT_SECONDS = 1.0  # our own import time on top of torch + transformers (measured: ~0.02 s)
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> list[tuple[str, list[str], int]]:
-    """``(absolute module, imported names, line)`` for every import statement in ``path`` (nested ones too)."""
-    module = _module_name(path)
+def _imports(path: Path, root: Path = PACKAGE.parent) -> list[tuple[str, list[str], int]]:
+    """``(absolute module, imported names, line)`` for every import statement in ``path`` (nested ones too: inside
+    functions and classes)."""
+    module = _module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -82,6 +83,63 @@ def test_walker_sees_relative_imports():
     assert {"hf_asymkv.core.layer", "hf_asymkv.core.config", "hf_asymkv.core.pretrained"} <= targets
     targets = {t for t, _, _ in _imports(PACKAGE / "cli" / "app.py")}
     assert "hf_asymkv.models" in targets and "hf_asymkv.cli.demo" in targets
+
+
+def _import_loops(files: list[Path], root: Path = PACKAGE.parent) -> list[list[str]]:
+    """Every import loop among ``files`` (modules importing each other directly or through others), module-level or
+    inside functions: the strongly connected components of more than one module of the graph "module -> the
+    package modules it imports" (``from pkg import submodule`` is an edge to the submodule)."""
+    modules = {_module_name(p, root): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for target, names, _ in _imports(path, root):
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            targets.update(submodules or ([target] if target in modules else []))
+        graph[name] = targets - {name}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return loops
+
+
+def test_no_import_loop_in_the_package():
+    assert not _import_loops(PACKAGE_FILES), "modules import each other (at module level or inside functions)"
+
+
+def test_the_loop_check_sees_a_loop_through_a_function_level_import(tmp_path):
+    """A fixture package: ``a`` imports ``b`` at module level, ``b`` imports ``a`` inside a function (what
+    ``bench/peers.py`` and ``bench/schemes.py`` did, issue 41); ``c`` imports both without a loop."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import B\nA = 1\n")
+    (package / "b.py").write_text("B = 2\n\ndef late():\n    from . import a\n    return a.A\n")
+    (package / "c.py").write_text("from pkg import a, b\n")
+    assert _import_loops(sorted(package.glob("*.py")), tmp_path) == [["pkg.a", "pkg.b"]]
+    (package / "b.py").write_text("B = 2\n")
+    assert _import_loops(sorted(package.glob("*.py")), tmp_path) == []
 
 
 _PROBE = """
