@@ -33,6 +33,7 @@ from .kv_view import HEADWISE_MASKING_REFUSED, QuantizedKV, SinkOverlayView, mas
 from .quant import decode_codes
 from .rotation import rotate, unrotate
 from .static_attention import StaticQuantizedKV, static_fused_attention
+from .static_op import static_attention, static_attention_args, use_operator
 
 __all__ = ["ATTN_IMPLEMENTATION", "FUSED_MAX_QUERY_TOKENS", "asymkv_sdpa_attention", "fused_attention", "register"]
 
@@ -200,6 +201,8 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     if isinstance(key, StaticQuantizedKV):  # a static layer's parts: read at fixed shapes (compiled decode steps)
         if query.shape[2] <= FUSED_MAX_QUERY_TOKENS and _static_refused(module, dropout, kwargs) is None:
             scale = scaling if scaling is not None else key.shape[-1] ** -0.5
+            if use_operator(query.device):  # one opaque call in the graph (a kernel's place), see static_op
+                return static_attention(*static_attention_args(query, key, value, attention_mask, scale)), None
             return static_fused_attention(query, key, value, attention_mask, scale), None
         key, value = key.dense(), value.dense()
     if isinstance(key, QuantizedKV):

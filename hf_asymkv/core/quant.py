@@ -22,6 +22,7 @@ along ``head_dim``, so no reader ever infers it.
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass
 
@@ -154,6 +155,29 @@ class QuantSpec:
     def token_group(self) -> int:
         """Tokens sharing a scale: ``block_size`` for ``"channel"``/``"tensor"`` granularity, 1 for ``"token"``."""
         return 1 if self.granularity == "token" else self.block_size
+
+    def to_text(self) -> str:
+        """The spec as text, ``name=value`` pairs (the scale dtype by name): a constant a compiled graph can carry
+        (written with f-strings only, so that it is traced where a store allocates inside a graph), the same in
+        every process. :meth:`from_text` reads it back."""
+        dtype = str(self.scale_dtype).removeprefix("torch.")
+        return (f"fmt={self.fmt!r};granularity={self.granularity!r};group_size={self.group_size!r};"
+                f"symmetric={self.symmetric!r};scale_dtype={dtype!r};rotated={self.rotated!r};"
+                f"block_size={self.block_size!r};wide_fraction={self.wide_fraction!r}")
+
+    @classmethod
+    def from_text(cls, text: str) -> QuantSpec:
+        """The spec :meth:`to_text` wrote (validated as any spec is).
+
+        Raises:
+            ValueError: text that is not ``name=value`` pairs of the spec's fields.
+        """
+        try:
+            fields = {name: ast.literal_eval(value) for name, value in (pair.split("=", 1) for pair in text.split(";"))}
+            fields["scale_dtype"] = getattr(torch, fields["scale_dtype"])
+            return cls(**fields)
+        except (ValueError, SyntaxError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a QuantSpec written by to_text(): {text!r} ({exc})") from None
 
     def groups(self, head_dim: int) -> tuple[int, int]:
         """``(token_group, channel_group)``: how many tokens and channels share one scale."""

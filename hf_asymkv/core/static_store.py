@@ -18,6 +18,7 @@ from .packing import PackedCodes
 from .quant import QuantSpec, dequantize
 from .rotation import dequantize_rotated, hadamard
 from .sinks import SinkOverlay
+from .static_op import store_layout
 from .store import encode_blocks, stored_form
 from .wide import WideBits
 
@@ -46,6 +47,7 @@ class StaticTensorStore:
         self.sinks = self.codes = self.scales = self.zeros = self.window = self.rotation = None
         self.wide_bits = self.wide_channels = None
         self.heads = self.head_dim = 0
+        self.layout = ""
 
     def allocate(self, like: torch.Tensor, n_blocks: int, window_tokens: int) -> None:
         """Allocate for ``n_blocks`` blocks and ``window_tokens`` window slots, rows of ``like`` (``[B, H, n, D]``:
@@ -74,6 +76,7 @@ class StaticTensorStore:
         self.rotation = hadamard(d, torch.float32, like.device).clone() if self.spec.rotated else None
         if self.sink_count:
             self.overlay.preallocate(b, h, d, like.dtype, like.device)
+        self.layout = store_layout(self)  # what the attention operator is told of these buffers (static_op)
 
     @property
     def n_blocks(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_asymkv import PRESETS
 from hf_asymkv.core.packing import (
     PackedCodes,
     pack_bits,
@@ -866,3 +867,17 @@ def test_decode_block_aligned_slice_of_a_buffer(fmt, granularity):
         z = None if zero is None else zero[:, :, start // tg : stop // tg]
         got = dequantize(part, scale[:, :, start // tg : stop // tg], z, spec)
         assert torch.equal(got, deq[:, :, start:stop])
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_spec_text_round_trips(preset):
+    """``QuantSpec.to_text`` (the static attention operator's layout constant) reads back to the same spec."""
+    layer = PRESETS[preset].resolved([64]).layer_config()
+    for spec in (layer.key_spec, layer.value_spec):
+        assert QuantSpec.from_text(spec.to_text()) == spec
+
+
+@pytest.mark.parametrize("text", ["", "fmt='int9'", "fmt='int4';granularity='channel'", "not text at all"])
+def test_spec_text_refuses_what_to_text_did_not_write(text):
+    with pytest.raises(ValueError, match=r"not a QuantSpec written by to_text\(\)"):
+        QuantSpec.from_text(text)
