@@ -156,21 +156,22 @@ def _hf_static(config: PreTrainedConfig, max_cache_len: int) -> Cache:
 
 STATIC_SCHEMES: dict[str, tuple[str, StaticFactory]] = {
     "hf-static": ("transformers StaticCache (full precision, preallocated), eager", _hf_static),
-    "hf-static-compiled": ("transformers StaticCache, decode step under torch.compile", _hf_static),
+    "hf-static-compiled": ("transformers StaticCache, whole forward under torch.compile", _hf_static),
 }
 for _name in PRESET_NAMES:
     STATIC_SCHEMES[f"asymkv-{_name}-static"] = (f"ours, preset {_name!r}, static (max_cache_len), eager",
                                                 _static_preset(_name))
     STATIC_SCHEMES[f"asymkv-{_name}-static-compiled"] = (
-        f"ours, preset {_name!r}, static (max_cache_len), decode step under torch.compile", _static_preset(_name))
+        f"ours, preset {_name!r}, static (max_cache_len), whole forward under torch.compile", _static_preset(_name))
     STATIC_SCHEMES[f"asymkv-{_name}-static-fused"] = (
         f"ours, preset {_name!r}, static, attention over the codes (attn_implementation='asymkv_sdpa'), eager",
         _static_preset(_name))
     STATIC_SCHEMES[f"asymkv-{_name}-static-fused-compiled"] = (
-        f"ours, preset {_name!r}, static, attention over the codes (attn_implementation='asymkv_sdpa'), decode step "
-        "under torch.compile", _static_preset(_name))
+        f"ours, preset {_name!r}, static, attention over the codes (attn_implementation='asymkv_sdpa'), whole "
+        "forward under torch.compile", _static_preset(_name))
 COMPILED = frozenset(name for name in STATIC_SCHEMES if name.endswith("-compiled"))
-"""Static schemes whose decode step runs ``torch.compile(model.forward, fullgraph=True, dynamic=False)``."""
+"""Static schemes whose forward (prefill and decode steps) runs ``torch.compile(model.forward, fullgraph=True,
+dynamic=False)``."""
 
 # Schemes that need the model's attention implementation switched while they run.
 ATTENTION = {name: "asymkv_sdpa" for name in [*SCHEMES, *STATIC_SCHEMES] if "-fused" in name}
@@ -224,14 +225,20 @@ _COMPILED_FORWARDS: dict[tuple[int, str], Callable] = {}
 
 
 def scheme_forward(model, name: str, backend: str = "inductor") -> Callable:
-    """What runs scheme ``name``'s decode steps: ``model`` itself, or for a :data:`COMPILED` scheme
+    """What runs scheme ``name``'s forward passes: ``model`` itself, or for a :data:`COMPILED` scheme
     ``torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)``, made once per model and
-    backend (it compiles at its first call: run one untimed step first)."""
+    backend (it compiles at its first call of each shape: run untimed calls first). Every compiled scheme and shape
+    (prefill, step) is a graph of the same code object: dynamo's recompile limit is raised to hold them all, rather
+    than fall back to eager silently past its default of 8."""
     if name not in COMPILED:
         return model
     key = (id(model), backend)
     if key not in _COMPILED_FORWARDS:
         import torch
+
+        config = torch._dynamo.config  # recompile_limit from torch 2.7 (cache_size_limit before)
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))
 
         # the compiled forward holds the model, so its id stays its own while it is here; one model at a time
         _COMPILED_FORWARDS.clear()

@@ -107,15 +107,16 @@ class _Run:
 @torch.no_grad()
 def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int, backend: str = "inductor",
               room: int | None = None) -> _Run:
-    """Fresh cache, timed prefill, one untimed warm-up step, ``new_tokens`` timed single-token steps (through the
-    compiled forward for a compiled scheme; the prefill is always eager, as ``generate`` runs it). A static cache is
-    sized for the prompt, the warm-up step and ``room`` steps (default ``new_tokens``): a warm-up run gives the
+    """Fresh cache, timed prefill, one untimed warm-up step, ``new_tokens`` timed single-token steps. A compiled
+    scheme runs all of them, prefill included, through its compiled forward (transformers' recipe for a
+    ``StaticCache``: the whole forward compiled; ``generate``'s own compile leaves the prefill eager). A static cache
+    is sized for the prompt, the warm-up step and ``room`` steps (default ``new_tokens``): a warm-up run gives the
     timed runs' ``room`` so that it compiles their shapes."""
     with scheme_attention(model, name), PeakRSS() as rss:
         cache = make_cache(name, model.config, max_cache_len=ids.shape[1] + 1 + (room or new_tokens))
         forward = scheme_forward(model, name, backend)
         start = time.perf_counter()
-        out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+        out = forward(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         prefill = time.perf_counter() - start
         token = out.logits[:, -1:].argmax(-1)
         token = forward(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)

@@ -11,12 +11,14 @@ costs seconds to minutes on two cores (tests/core keeps one preset).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from helpers import check_whole_forward, manual_greedy, relative_error
+from torch._dynamo.utils import counters
 
-from hf_asymkv import PRESETS, AsymKVCache, register_attention
+from hf_asymkv import PRESETS, AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.models import ModelNotAvailableError, load_model
 
 SMALL = dict(key_block_size=8, residual_length=8)  # blocks quantized inside a 40-token prefill and every 8 steps
@@ -92,3 +94,29 @@ def test_default_model_all_layers_answers_as_eager(default_model):
     first, tokens = manual_greedy(torch.compile(model.forward, fullgraph=True, dynamic=False), ids, cache(), STEPS)
     assert relative_error(first, eager_first) <= 1e-4
     assert tokens == eager_tokens
+
+
+def _readme_compile_snippet() -> str:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    return re.search(r"## Compile: a static cache\n.*?```python\n(.*?)```", readme, re.S).group(1)
+
+
+def test_the_readme_recipe(llama, prompt):
+    """The README's compile section as written (``model``, ``inputs`` given): the whole forward compiled into two
+    graphs, then generate: the eager static cache's tokens, and none more graphs for the next cache."""
+    model = copy.deepcopy(llama)
+    inputs = {"input_ids": prompt[:, :40]}
+    eager_cache = AsymKVCache.from_preset("balanced", model.config, max_cache_len=40 + 256)
+    eager = model.generate(**inputs, **cache_kwargs(eager_cache), max_new_tokens=256, disable_compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    namespace = {"model": model, "inputs": inputs, "torch": torch, "AsymKVCache": AsymKVCache,
+                 "cache_kwargs": cache_kwargs}
+    exec(compile(_readme_compile_snippet(), "README.md compile", "exec"), namespace)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert torch.equal(namespace["out"], eager) and namespace["cache"].stats()["blocks_quantized"] > 0
+    counters.clear()
+    exec(compile(_readme_compile_snippet(), "README.md compile", "exec"), namespace)
+    assert not counters["stats"]["unique_graphs"] and torch.equal(namespace["out"], eager)
