@@ -150,11 +150,12 @@ class AsymKVCache(Cache):
         super().__init__(layers=self._build_layers(text_config, key_absmax, max_cache_len))
 
     def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
-        head_dims = {shape.head_dim for shape in self.shapes if shape.quantized}
-        return cache_config.resolved(sorted(head_dims or {shape.head_dim for shape in self.shapes}))
+        widths = {w for shape in self.shapes if shape.quantized for w in shape.widths}
+        return cache_config.resolved(sorted(widths or {shape.head_dim for shape in self.shapes if shape.head_dim}
+                                            or {1}))
 
     def _layer_configs(self, cache_config: AsymKVConfig) -> dict:
-        quantized = {i: shape.head_dim for i, shape in enumerate(self.shapes) if shape.quantized}
+        quantized = {i: shape.widths for i, shape in enumerate(self.shapes) if shape.quantized}
         return cache_config.layer_configs(quantized, [shape.layer_type for shape in self.shapes])
 
     def apply_layer_overrides(self, layer_overrides) -> None:
@@ -416,8 +417,10 @@ class AsymKVCache(Cache):
                     equivalent["model_dtype"] += elements * layer.dtype.itemsize
                     exact_itemsize = layer.dtype.itemsize
             else:  # transformers' own layer: every tensor it holds (K/V, recurrent states, compressor buffers)
-                held = list(reachable_tensors(layer))
-                parts["full_precision_layers"] += tensor_nbytes(held)
+                parts["full_precision_layers"] += tensor_nbytes([layer])
+                # a DynamicCache holds the same layer: its K/V where it has them, else all it holds
+                kv = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
+                held = kv or list(reachable_tensors(layer))
                 equivalent["bf16"] += sum(t.numel() * 2 if t.is_floating_point() else t.nbytes for t in held)
                 equivalent["model_dtype"] += sum(t.nbytes for t in held)
         total = sum(v for k, v in parts.items() if k != "unused_capacity")
@@ -430,7 +433,8 @@ class AsymKVCache(Cache):
                 "bf16_equivalent": equivalent["bf16"], "total_on_bf16": on_bf16,
                 "ratio_vs_bf16": equivalent["bf16"] / on_bf16 if on_bf16 else 0.0,
                 "tokens": max((int(layer.get_seq_length()) for layer in self.layers
-                               if getattr(layer, "is_initialized", False)), default=0), **static}
+                               if getattr(layer, "is_initialized", False) and hasattr(layer, "get_seq_length")),
+                              default=0), **static}
 
     def stats(self) -> dict[str, int]:
         """Counters summed over layers: ``tokens_quantized``, ``blocks_quantized``, ``flushes``,

@@ -323,11 +323,13 @@ class AsymKVConfig:
         return LayerConfig(self.key_spec(), self.value_spec(), self.residual_length, self.sink_tokens,
                            self.overflow_policy, Growth(self.growth_factor, self.max_growth_tokens))
 
-    def layer_configs(self, head_dims: Mapping[int, int], layer_types: list[str]) -> dict[int, LayerConfig]:
+    def layer_configs(self, head_dims: Mapping[int, int | tuple[int, ...]], layer_types: list[str]
+                      ) -> dict[int, LayerConfig]:
         """Each quantized layer's :class:`LayerConfig`, overrides applied (a resolved config: group sizes set).
 
         Args:
-            head_dims: ``{layer index: head_dim}`` of the layers that quantize.
+            head_dims: ``{layer index: head_dim}`` of the layers that quantize, or ``{layer index: (widths)}`` where
+                keys and values differ in width (group sizes then divide both).
             layer_types: every layer's cache type (their count bounds the indices; named in errors).
 
         Raises:
@@ -352,7 +354,7 @@ class AsymKVConfig:
         for i, head_dim in head_dims.items():
             layer = self.for_layer(chosen[i]) if i in chosen else dataclasses.replace(self, layer_overrides=())
             try:
-                configs[i] = layer.resolved([head_dim]).layer_config()
+                configs[i] = layer.resolved(list(head_dim) if isinstance(head_dim, tuple) else [head_dim]).layer_config()
             except ValueError as exc:
                 raise ValueError(f"layer {i}: {exc}") from None
         return configs

@@ -29,29 +29,39 @@ class LayerShape:
     Attributes:
         layer_type: the cache layer type (``"full_attention"``, ``"sliding_attention"``, ``"chunked_attention"``,
             ``"dummy"`` for KV-sharing consumers and KV-less layers, or another transformers type).
-        kv_heads: key/value heads of the layer's attention.
-        head_dim: width of one head (K and V).
+        kv_heads: key/value heads of the layer's attention (0 for a config without attention heads).
+        head_dim: width of one key head (and value head, unless ``value_head_dim`` says otherwise).
+        value_head_dim: width of one value head where it differs (a config's ``v_head_dim``: MiMo-V2, MLA-style
+            models), else 0.
     """
 
     layer_type: str
     kv_heads: int
     head_dim: int
+    value_head_dim: int = 0
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The key and value head widths (one entry when they are equal): what group sizes must divide."""
+        return tuple(sorted({self.head_dim, self.value_head_dim or self.head_dim}))
 
     @property
     def holds_kv(self) -> bool:
-        """Full or sliding attention: the layers whose K/V a cache (and a scales file) holds."""
-        return self.layer_type == "full_attention" or self.layer_type in SLIDING_LAYER_TYPES
+        """Full or sliding attention: the layers whose K/V a cache (and a scales file) holds (a config without
+        attention heads holds none, whatever transformers infers its layer types to be)."""
+        return (self.layer_type == "full_attention" or self.layer_type in SLIDING_LAYER_TYPES) and self.head_dim > 0
 
     @property
     def quantized(self) -> bool:
         """The layers an :class:`~hf_asymkv.AsymKVCache` quantizes (full attention)."""
-        return self.layer_type == "full_attention"
+        return self.layer_type == "full_attention" and self.head_dim > 0
 
     @property
     def unknown(self) -> bool:
         """A layer type this package does not know (transformers adds types every release: ``hybrid``,
         ``heavily_compressed_attention``, ...): the cache keeps transformers' own layer for it, unquantized."""
-        return not (self.holds_kv or self.layer_type in NO_KV_LAYER_TYPES)
+        known = ("full_attention", *SLIDING_LAYER_TYPES, *NO_KV_LAYER_TYPES)
+        return self.layer_type not in known
 
 
 def layer_types(config) -> list[str]:
@@ -75,10 +85,13 @@ def _per_layer_configs(text_config, n_layers: int) -> list:
 
 
 def _shape(layer_config, text_config, layer_type: str) -> LayerShape:
+    if getattr(layer_config, "num_attention_heads", None) is None and not hasattr(text_config, "num_attention_heads"):
+        return LayerShape(layer_type, 0, 0)  # a config without attention heads (Mamba, RWKV): no K/V to size
     heads = getattr(layer_config, "num_attention_heads", None) or text_config.num_attention_heads
     kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
     head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
-    return LayerShape(layer_type, int(kv_heads), int(head_dim))
+    value_head_dim = getattr(layer_config, "v_head_dim", None) or 0
+    return LayerShape(layer_type, int(kv_heads), int(head_dim), int(value_head_dim) if value_head_dim != head_dim else 0)
 
 
 def layer_shapes(config) -> list[LayerShape]:
