@@ -110,7 +110,7 @@ def test_settings_table_lists_every_field_with_its_default():
 
 
 def test_stats_are_said_to_be_summed_over_layers():
-    assert re.search(r'`stats\(\)\["tokens_quantized"\]` is\s+summed over layers', README)
+    assert re.search(r'`(cache\.)?stats\(\)\["tokens_quantized"\]` is\s+summed over layers', README)
 
 
 def _footprint_after_prefill(tokens: int, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -55,6 +55,24 @@ def test_bf16_memory_ratio_at_4096(real_model):
     assert ours.ratio_vs_dynamic >= 2.35, ours
 
 
+def test_a_4096_token_prefill_holds_exactly_the_footprint(real_model):
+    """Issue 41: after a plain ``model(ids)`` prefill of 4096 tokens on the default model (all 30 layers) every
+    tensor the cache holds adds up to ``memory_footprint()["total"]``: nothing is left exact for later, and the
+    footprint's ratio is the real one."""
+    from hf_asymkv.bench.memory import cache_nbytes
+
+    model = real_model[0]
+    ids = torch.randint(3, model.config.vocab_size, (1, 4096), generator=torch.Generator().manual_seed(0))
+    cache = AsymKVCache(model.config)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache), logits_to_keep=1)
+    footprint = cache.memory_footprint()
+    assert footprint["tokens"] == 4096 and not [part for part in footprint if part.startswith("pending_")]
+    assert cache_nbytes(cache) == footprint["total"]
+    assert cache.stats()["tokens_quantized"] == 30 * (4096 - 4 - 64 - (4096 - 4 - 64) % 128)  # whole blocks only
+    assert footprint["ratio_vs_bf16"] > 2.4
+
+
 def test_37_token_prompt_holds_no_more_than_a_dynamic_cache(real_model):
     """Issue 25: a 37-token prompt plus 20 generated tokens held 10% more than a DynamicCache in the model's dtype
     (the window's growth slack); before the first quantized block (196 tokens by default) it now holds the same."""
