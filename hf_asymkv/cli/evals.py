@@ -1,5 +1,5 @@
-"""`hf-asymkv eval synthetic | needle | attention | ppl | long-decode | frontier | press | report`: arguments, checks
-before the model loads, output.
+"""`hf-asymkv eval synthetic | needle | attention | ppl | long-decode | frontier | press | lm-eval | report`:
+arguments, checks before the model loads, output.
 
 Every command prints its markdown table; with ``--out DIR`` it also writes ``<name>.json`` (rows, summary,
 the exact command, model, versions, seeds, threads), ``<name>.md`` and its PNG figure, each atomically.
@@ -17,7 +17,7 @@ from pathlib import Path
 from ..bench.schemes import PRESET_NAMES, scheme_names
 from ..evals.needle import TASKS
 from ..evals.stress import OUTLIER_PRESETS, parse_outlier_spec, stress_description
-from . import press
+from . import lm_eval_cmd, press
 from .args import (
     add_model_args,
     add_threads_arg,
@@ -484,6 +484,7 @@ def add_parser(sub) -> None:
     e.set_defaults(func=_cmd_frontier)
 
     press.add_parser(evals)
+    lm_eval_cmd.add_parser(evals)
 
     e = evals.add_parser("report", help="one table: needle accuracy beside attention damage and perplexity; a "
                                         "frontier run's table and figure drawn again from its frontier.json")

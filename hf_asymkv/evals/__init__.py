@@ -10,4 +10,9 @@
 - :mod:`.ppl`: perplexity on long text, scored through each scheme's quantized history.
 - :mod:`.report`: markdown tables and result files; :mod:`.figures`: the PNG figures (matplotlib).
 - :mod:`.common`: run metadata, progress bars, the shared-prefill scheme loop.
+- lm-eval's tasks (``hf-asymkv eval lm-eval``, the ``eval-lm`` extra): :mod:`.scheme_decode` (greedy answers and
+  continuation scores of one request through every scheme, from one shared prefill), :mod:`.lm_eval_model` (lm-eval's
+  HF wrapper answering through every scheme), :mod:`.lm_eval_store` (answers kept for resuming),
+  :mod:`.lm_eval_offline` (RULER without a network), :mod:`.lm_eval_run` (the entry point),
+  :mod:`.lm_eval_report` (intervals and tables).
 """

@@ -25,6 +25,7 @@ COMMANDS = [
     ("eval-attention", ["eval", "attention"], "--out", "folder"),
     ("eval-ppl", ["eval", "ppl"], "--out", "folder"),
     ("eval-frontier", ["eval", "frontier"], "--out", "folder"),
+    ("eval-lm-eval", ["eval", "lm-eval", "--tasks", "niah_single_1"], "--out", "folder"),
     ("eval-report", ["eval", "report"], None, "existing folder"),
     ("bench", ["bench"], "--out", "folder"),
     ("memory", ["memory"], "--out", "file"),
