@@ -1,0 +1,354 @@
+"""The learning half of ``key_codes.py``: calibration keys and query moments, weighted k-means, a fitted code.
+
+Everything here is float32 torch on the CPU. Shapes: keys ``[Hk, N, D]`` (KV heads, calibration tokens, head_dim),
+query second moments ``[Hk, D, D]``, RoPE tables ``[positions, D]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hf_asymkv.calibration.data import pack_samples, stream_texts
+from hf_asymkv.models import input_device
+
+BLOCK = 64
+MAX_POINTS = 32768  # training points per codebook (a random subset beyond it)
+ITERS = 12  # Lloyd iterations per stage
+
+
+def rope_tables(model, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(cos, sin)`` ``[n, D]`` of positions ``0 .. n-1``, from the model's own rotary embedding (one
+    table per layer type: Gemma-3's sliding and full layers rotate with different bases)."""
+    text = model.config.get_text_config(decoder=True)
+    rotary = model.get_decoder().rotary_emb
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    x = torch.zeros(1, n, 1, device=input_device(model))
+    pos = torch.arange(n, device=x.device)[None]
+    by_type = {}
+    for kind in set(types):
+        takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        cos, sin = rotary(x, pos, kind) if takes_type else rotary(x, pos)
+        by_type[kind] = (cos[0].float().cpu(), sin[0].float().cpu())
+    return {i: by_type[kind] for i, kind in enumerate(types)}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def unrope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE undone: ``k [..., m, D]`` rotated back by the angles of ``cos``/``sin`` ``[m, D]``; ``unrope(k, cos,
+    -sin)`` applies it."""
+    return k * cos - _rotate_half(k) * sin
+
+
+@dataclass
+class LayerCalibration:
+    """One layer's calibration: post-RoPE keys ``[Hk, N, D]``, their positions ``[N]``, and ``E[q q^T]``
+    ``[Hk, D, D]`` of the queries reading each KV head, post-RoPE and as a pre-RoPE code sees them."""
+
+    keys: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
+    q_post: torch.Tensor | None = None
+    q_pre: torch.Tensor | None = None
+    count: int = 0
+
+
+@dataclass
+class Calibration:
+    layers: dict[int, LayerCalibration]
+    tokens: int
+    source: str
+
+
+def calibrate(model, tokenizer, data: str, samples: int, length: int, tables, seed: int = 0) -> Calibration:
+    """Record every quantized layer's keys and query moments over ``samples`` x ``length`` tokens of ``data`` (read
+    as ``hf-asymkv calibrate --data`` reads it), one forward pass per sample through a recording attention."""
+    from hf_asymkv import AsymKVCache
+
+    quantized = set(AsymKVCache(model.config).layer_configs)
+    ids = pack_samples(stream_texts(data), tokenizer, length, samples)
+    layers = {i: LayerCalibration() for i in quantized}
+    gen = torch.Generator().manual_seed(seed)
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        i = module.layer_idx
+        if i in layers:
+            cal = layers[i]
+            q, k = query[0].detach().float().cpu(), key[0].detach().float().cpu()  # [Hq, T, D], [Hk, T, D]
+            hk, t, d = k.shape
+            q = q.reshape(hk, -1, t, d)  # query heads g*group .. (g+1)*group - 1 read KV head g
+            cos, sin = tables[i]
+            key_pos = (torch.rand(t, generator=gen) * (torch.arange(t) + 1)).long()  # a key position <= the query's
+            rel = unrope(q, cos[key_pos], sin[key_pos])
+            post = torch.einsum("hgtd,hgte->hde", q, q)
+            pre = torch.einsum("hgtd,hgte->hde", rel, rel)
+            cal.q_post = post if cal.q_post is None else cal.q_post + post
+            cal.q_pre = pre if cal.q_pre is None else cal.q_pre + pre
+            cal.count += q.shape[1] * t
+            cal.keys.append(k)
+            cal.positions.append(torch.arange(t))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("key_codes_record", record)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("key_codes_record")
+    try:
+        with torch.no_grad():
+            for sample in ids:
+                model(input_ids=sample.to(input_device(model)), use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(before)
+    for cal in layers.values():
+        cal.keys, cal.positions = torch.cat(cal.keys, dim=1), torch.cat(cal.positions)
+        cal.q_post, cal.q_pre = cal.q_post / cal.count, cal.q_pre / cal.count
+    return Calibration(layers, sum(s.shape[1] for s in ids), data)
+
+
+def assign(x: torch.Tensor, books: torch.Tensor) -> torch.Tensor:
+    """Nearest entry of ``books [B, K, g]`` for each point of ``x [B, n, g]``: ``[B, n]`` indices."""
+    b, n, _ = x.shape
+    chunk = max(1, (1 << 25) // max(1, b * books.shape[1]))
+    norms = books.pow(2).sum(-1)[:, None, :]
+    out = []
+    for i in range(0, n, chunk):
+        part = x[:, i : i + chunk]
+        out.append((norms - 2 * part @ books.transpose(1, 2)).argmin(-1))
+    return torch.cat(out, dim=1)
+
+
+def kmeans(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``B`` independent k-means of ``x [B, N, g]`` into ``k`` entries (random points to start, :data:`ITERS`
+    Lloyd steps, an emptied entry restarted at a random point): ``[B, k, g]``."""
+    b, n, g = x.shape
+    books = torch.stack([x[j, torch.randint(n, (k,), generator=gen)] for j in range(b)])
+    for _ in range(ITERS):
+        a = assign(x, books)
+        sums = torch.zeros(b, k, g).scatter_add_(1, a[..., None].expand(-1, -1, g), x)
+        counts = torch.zeros(b, k).scatter_add_(1, a, torch.ones(b, n))
+        fresh = torch.stack([x[j, torch.randint(n, (k,), generator=gen)] for j in range(b)])
+        books = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], fresh)
+    return books
+
+
+def channel_groups(head_dim: int, group: int) -> torch.Tensor:
+    """``[head_dim / group, group]`` channel indices: each group is ``group / 2`` whole rotary pairs ``(i, i + D/2)``."""
+    half, pairs = head_dim // 2, group // 2
+    return torch.stack([torch.cat([torch.arange(j, j + pairs), torch.arange(j, j + pairs) + half])
+                        for j in range(0, half, pairs)])
+
+
+def block_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (head, 64-token block, channel) midpoint and half-range of ``x [H, m, D]`` (m a multiple of 64), float16
+    as the presets store a scale and zero, broadcast back to ``[H, m, D]``."""
+    h, m, d = x.shape
+    g = x.reshape(h, m // BLOCK, BLOCK, d)
+    lo, hi = g.amin(2, keepdim=True), g.amax(2, keepdim=True)
+    mid = ((hi + lo) / 2).half().float()
+    half = ((hi - lo) / 2).clamp_min(1e-6).half().float()
+    return (mid.expand_as(g).reshape(h, m, d), half.expand_as(g).reshape(h, m, d))
+
+
+@dataclass
+class FittedCode:
+    """A learned key code of one layer (``key_codes.Design``): codebooks ``[Hk, G or 1, stages, K, g]`` in weighted
+    coordinates, the per-group maps into them ``L [Hk, G, g, g]`` and back ``L_inv``, the channel groups, the static
+    channel scale ``[Hk, D]`` and the RoPE table for pre-RoPE codes."""
+
+    design: object
+    books: torch.Tensor
+    lower: torch.Tensor
+    lower_inv: torch.Tensor
+    groups: torch.Tensor
+    scale: torch.Tensor
+    table: tuple
+
+    def static_bytes(self) -> int:
+        """Bytes a cache would hold for this layer beyond the codes: float16 codebooks (in key units per group, or
+        shared with a float16 ``L^-1`` per group), the channel scales of ``channel`` smoothing."""
+        hk, n_books, stages, k, g = self.books.shape
+        nbytes = hk * n_books * stages * k * g * 2
+        if self.design.shared:
+            nbytes += self.lower_inv.numel() * 2
+        if self.design.smoothing == "channel":
+            nbytes += self.scale.numel() * 2
+        return nbytes
+
+    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """``x [H, m, D]`` in the code's coordinates (smoothing applied) and what undoes it."""
+        if self.design.smoothing == "block":
+            mid, half = block_range(x)
+            return (x - mid) / half, (mid, half)
+        return x / self.scale[:, None, :], (0.0, self.scale[:, None, :])
+
+    def weighted(self, u: torch.Tensor) -> torch.Tensor:
+        """``u [H, m, D]`` -> ``[H, G, m, g]`` grouped and mapped into the weighted coordinates."""
+        return torch.einsum("hmgc,hgcd->hgmd", u[:, :, self.groups], self.lower)
+
+    def encode_decode(self, k: torch.Tensor, start: int) -> torch.Tensor:
+        """Post-RoPE keys ``[H, m, D]`` at positions ``start ..`` -> their decoded code, ``[H, m, D]``."""
+        h, m, d = k.shape
+        cos, sin = (t[start : start + m] for t in self.table)
+        x = unrope(k, cos, sin) if self.design.rope == "pre" else k
+        u, (mid, half) = self.normalize(x)
+        w = self.weighted(u)  # [H, G, m, g]
+        hk, n_books, stages, size, g = self.books.shape
+        rest, decoded = w, torch.zeros_like(w)
+        for s in range(stages):
+            if n_books == 1:  # one codebook for every group of the head
+                pts = rest.reshape(h, -1, g)
+                got = torch.gather(self.books[:, 0, s], 1, assign(pts, self.books[:, 0, s])[..., None].expand(-1, -1, g))
+            else:
+                pts = rest.reshape(h * n_books, m, g)
+                book = self.books[:, :, s].reshape(h * n_books, size, g)
+                got = torch.gather(book, 1, assign(pts, book)[..., None].expand(-1, -1, g))
+            got = got.reshape(w.shape)
+            decoded, rest = decoded + got, rest - got
+        back = torch.einsum("hgmd,hgdc->hmgc", decoded, self.lower_inv)  # [H, m, G, g]
+        u_hat = torch.empty_like(u)
+        u_hat[:, :, self.groups] = back
+        x_hat = u_hat * half + mid
+        return unrope(x_hat, cos, -sin) if self.design.rope == "pre" else x_hat
+
+    def coder(self):
+        """The block coder ``key_codes.CodedBlocks`` calls: ``(x [1, H, m, D], start) -> [1, H, m, D]``."""
+        return lambda x, start: self.encode_decode(x[0].float(), start)[None]
+
+
+def fit_design(design, cal: LayerCalibration, table, seed: int = 0) -> FittedCode:
+    """Learn ``design``'s codebooks (or transform) for one layer from its calibration."""
+    if design.kind == "transform":
+        return fit_transform(design, cal, table)
+    gen = torch.Generator().manual_seed(seed)
+    keys = cal.keys
+    hk, n, d = keys.shape
+    if design.rope == "pre":
+        keys = unrope(keys, table[0][cal.positions], table[1][cal.positions])
+    groups = channel_groups(d, design.group)
+    scale = keys.pow(2).mean(1).sqrt().clamp_min(1e-6) if design.smoothing == "channel" else torch.ones(hk, d)
+    code = FittedCode(design, torch.empty(0), torch.empty(0), torch.empty(0), groups, scale, table)
+    if design.smoothing == "block":
+        mid, half = block_range(keys)
+        u, metric_scale = (keys - mid) / half, half.mean(1)
+    else:
+        u, metric_scale = keys / scale[:, None, :], scale
+    g = design.group
+    if design.weighted:
+        moment = cal.q_pre if design.rope == "pre" else cal.q_post  # [Hk, D, D]
+        s = metric_scale[:, groups]  # [Hk, G, g]: in normalized units the error is scaled back by the smoothing
+        m = moment[:, groups[:, :, None], groups[:, None, :]] * s[..., :, None] * s[..., None, :]
+        m = m + 1e-6 * m.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(g)
+        lower = torch.linalg.cholesky(m)  # M = L L^T: (u - c) M (u - c)^T = |u L - c L|^2 for row vectors
+    else:
+        lower = torch.eye(g).expand(hk, groups.shape[0], g, g).clone()
+    # every group of a head in its own coordinates, normalized so a shared codebook sees comparable groups
+    code.lower = lower / lower.diagonal(dim1=-2, dim2=-1).abs().mean((-1, -2), keepdim=True)[..., None]
+    code.lower_inv = torch.linalg.inv(code.lower)
+    w = code.weighted(u)  # [Hk, G, N, g]
+    points = w.reshape(hk, -1, g) if design.shared else w.reshape(hk * groups.shape[0], n, g)
+    if points.shape[1] > MAX_POINTS:
+        points = points[:, torch.randperm(points.shape[1], generator=gen)[:MAX_POINTS]]
+    books = []
+    for _ in range(design.stages):
+        book = kmeans(points, 2**design.code_bits, gen)
+        books.append(book)
+        points = points - torch.gather(book, 1, assign(points, book)[..., None].expand(-1, -1, g))
+    n_books = 1 if design.shared else groups.shape[0]
+    code.books = torch.stack(books, 1).reshape(hk, n_books, design.stages, 2**design.code_bits, g)
+    return code
+
+
+def round_blocks(z: torch.Tensor, widths: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """``z [H, m, D]`` rounded per (head, 64-token block, component) to ``widths [H, D]`` bits, asymmetric min-max
+    with float16 scale and zero (as ``round_keys``); a 0-bit component decodes to its calibration mean ``[H, D]``."""
+    h, m, d = z.shape
+    g = z.reshape(h, m // BLOCK, BLOCK, d)
+    top = (2.0 ** widths - 1).clamp_min(1)[:, None, None, :]
+    lo = g.amin(2, keepdim=True).half().float()
+    step = ((g.amax(2, keepdim=True) - lo) / top).clamp_min(1e-8).half().float()
+    rounded = (((g - lo) / step).round().clamp_min(0).minimum(top) * step + lo).reshape(h, m, d)
+    return torch.where(widths[:, None, :] > 0, rounded, means[:, None, :])
+
+
+@dataclass
+class FittedTransform:
+    """A learned transform code of one layer: ``z = x @ basis`` (``[Hk, D, D]``, x the keys post- or pre-RoPE),
+    each component ``j`` rounded per 64-token block to ``widths[h, j]`` bits (0: its calibration mean), decoded as
+    ``z_hat @ inverse``. A dense read-out multiplies by ``inverse``; an attention over the codes multiplies the query
+    by ``inverse^T`` once per step instead (``q . (z inverse) = (q inverse^T) . z``)."""
+
+    design: object
+    basis: torch.Tensor
+    inverse: torch.Tensor
+    widths: torch.Tensor
+    means: torch.Tensor
+    table: tuple
+
+    def static_bytes(self) -> int:
+        """The float16 inverse (none for the identity basis), the means and one byte per component width."""
+        matrix = 0 if self.design.basis == "identity" else self.inverse.numel() * 2
+        return matrix + self.means.numel() * 2 + self.widths.numel()
+
+    def bits(self) -> float:
+        """Stored bits per key element: codes, and a float16 scale and zero per block for every coded component."""
+        return float((self.widths + 0.5 * (self.widths > 0)).mean())
+
+    def encode_decode(self, k: torch.Tensor, start: int) -> torch.Tensor:
+        m = k.shape[1]
+        cos, sin = (t[start : start + m] for t in self.table)
+        x = unrope(k, cos, sin) if self.design.rope == "pre" else k
+        x_hat = round_blocks(x @ self.basis, self.widths, self.means) @ self.inverse
+        return unrope(x_hat, cos, -sin) if self.design.rope == "pre" else x_hat
+
+    def coder(self):
+        return lambda x, start: self.encode_decode(x[0].float(), start)[None]
+
+
+def fit_transform(design, cal: LayerCalibration, table) -> FittedTransform:
+    """Learn the basis (the KLT of block-centred keys in the query-weighted metric, or the identity) and spend
+    ``design.budget`` bits per element (scales counted) greedily: each step gives one more bit to the component
+    whose calibration error, weighted by its queries, falls most per bit."""
+    keys = cal.keys
+    hk, n, d = keys.shape
+    n = n // BLOCK * BLOCK
+    if design.rope == "pre":
+        keys = unrope(keys, table[0][cal.positions], table[1][cal.positions])
+    keys = keys[:, :n]
+    moment = cal.q_pre if design.rope == "pre" else cal.q_post
+    moment = moment + 1e-6 * moment.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(d)
+    if design.basis == "identity":
+        basis = torch.eye(d).expand(hk, d, d).clone()
+    else:
+        lower = torch.linalg.cholesky(moment) if design.weighted else torch.eye(d).expand(hk, d, d)
+        w = (keys @ lower).reshape(hk, n // BLOCK, BLOCK, d)
+        centred = (w - w.mean(2, keepdim=True)).reshape(hk, n, d)
+        _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred / n)
+        basis = lower @ vectors.flip(-1)
+    inverse = torch.linalg.inv(basis)
+    weight = torch.einsum("hjd,hde,hje->hj", inverse, moment, inverse)  # E[(q . e)^2] per unit error of z_j
+    z = keys @ basis
+    means = z.mean(1)
+    errors = torch.stack([((round_blocks(z, torch.full((hk, d), float(b)), means) - z).pow(2).mean(1)) * weight
+                          for b in range(9)], -1)  # [Hk, D, 9]
+    cost = torch.arange(9.0) + 0.5
+    cost[0] = 0.0  # bits per element of width b: the code and, when coded at all, a float16 scale and zero per block
+    widths = torch.zeros(hk, d, dtype=torch.long)
+    for h in range(hk):
+        spent, budget = 0.0, design.budget * d
+        while True:  # any wider width may be the next step (1 bit over a min-max range can be worse than none)
+            now = widths[h]
+            extra = cost[None, :] - cost[now][:, None]  # [D, 9]
+            gain = (errors[h, torch.arange(d), now][:, None] - errors[h]) / extra.clamp_min(1e-9)
+            gain[(extra <= 0) | (spent + extra > budget + 1e-9)] = -1
+            j, b = divmod(int(gain.argmax()), 9)
+            if gain[j, b] <= 0:
+                break
+            spent += float(extra[j, b])
+            widths[h, j] = b
+    return FittedTransform(design, basis, inverse, widths.float(), means, table)
