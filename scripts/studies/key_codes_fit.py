@@ -50,11 +50,14 @@ def unrope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @dataclass
 class LayerCalibration:
-    """One layer's calibration: post-RoPE keys ``[Hk, N, D]``, their positions ``[N]``, and ``E[q q^T]``
-    ``[Hk, D, D]`` of the queries reading each KV head, post-RoPE and as a pre-RoPE code sees them."""
+    """One layer's calibration: post-RoPE keys and values ``[Hk, N, D]``, their positions ``[N]``, ``E[q q^T]``
+    ``[Hk, D, D]`` of the queries reading each KV head, post-RoPE and as a pre-RoPE code sees them, and the value
+    metric ``sum_h W_o,h^T W_o,h`` ``[Hk, D, D]`` (``W_o,h``: the output projection's columns of query head h)."""
 
     keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
     positions: list = field(default_factory=list)
+    v_metric: torch.Tensor | None = None
     q_post: torch.Tensor | None = None
     q_pre: torch.Tensor | None = None
     count: int = 0
@@ -93,6 +96,10 @@ def calibrate(model, tokenizer, data: str, samples: int, length: int, tables, se
             cal.q_pre = pre if cal.q_pre is None else cal.q_pre + pre
             cal.count += q.shape[1] * t
             cal.keys.append(k)
+            cal.values.append(value[0].detach().float().cpu())
+            if cal.v_metric is None:
+                w = module.o_proj.weight.detach().float().cpu().reshape(-1, hk, q.shape[1], d)  # [hidden, Hk, g, D]
+                cal.v_metric = torch.einsum("xhgd,xhge->hde", w, w)
             cal.positions.append(torch.arange(t))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -106,7 +113,8 @@ def calibrate(model, tokenizer, data: str, samples: int, length: int, tables, se
     finally:
         model.set_attn_implementation(before)
     for cal in layers.values():
-        cal.keys, cal.positions = torch.cat(cal.keys, dim=1), torch.cat(cal.positions)
+        cal.keys, cal.values = torch.cat(cal.keys, dim=1), torch.cat(cal.values, dim=1)
+        cal.positions = torch.cat(cal.positions)
         cal.q_post, cal.q_pre = cal.q_post / cal.count, cal.q_pre / cal.count
     return Calibration(layers, sum(s.shape[1] for s in ids), data)
 
@@ -278,61 +286,61 @@ def round_blocks(z: torch.Tensor, widths: torch.Tensor, means: torch.Tensor) -> 
 
 @dataclass
 class FittedTransform:
-    """A learned transform code of one layer: ``z = x @ basis`` (``[Hk, D, D]``, x the keys post- or pre-RoPE),
-    each component ``j`` rounded per 64-token block to ``widths[h, j]`` bits (0: its calibration mean), decoded as
-    ``z_hat @ inverse``. A dense read-out multiplies by ``inverse``; an attention over the codes multiplies the query
-    by ``inverse^T`` once per step instead (``q . (z inverse) = (q inverse^T) . z``)."""
+    """A learned transform code of one layer's keys or values: ``z = x @ basis`` (``[Hk, D, D]``; x the keys post- or
+    pre-RoPE, or the values), each component ``j`` rounded per 64-token block to ``widths[h, j]`` bits (0: its
+    calibration mean), decoded as ``z_hat @ inverse``. A dense read-out multiplies by ``inverse``; an attention over
+    the codes multiplies the query by ``inverse^T`` once per step instead (``q . (z inverse) = (q inverse^T) . z``),
+    and the mixed values' output by ``inverse`` once."""
 
-    design: object
     basis: torch.Tensor
     inverse: torch.Tensor
     widths: torch.Tensor
     means: torch.Tensor
     table: tuple
+    pre_rope: bool = False
+    identity: bool = False
 
     def static_bytes(self) -> int:
         """The float16 inverse (none for the identity basis), the means and one byte per component width."""
-        matrix = 0 if self.design.basis == "identity" else self.inverse.numel() * 2
+        matrix = 0 if self.identity else self.inverse.numel() * 2
         return matrix + self.means.numel() * 2 + self.widths.numel()
 
     def bits(self) -> float:
-        """Stored bits per key element: codes, and a float16 scale and zero per block for every coded component."""
+        """Stored bits per element: codes, and a float16 scale and zero per block for every coded component."""
         return float((self.widths + 0.5 * (self.widths > 0)).mean())
 
     def encode_decode(self, k: torch.Tensor, start: int) -> torch.Tensor:
         m = k.shape[1]
         cos, sin = (t[start : start + m] for t in self.table)
-        x = unrope(k, cos, sin) if self.design.rope == "pre" else k
+        x = unrope(k, cos, sin) if self.pre_rope else k
         x_hat = round_blocks(x @ self.basis, self.widths, self.means) @ self.inverse
-        return unrope(x_hat, cos, -sin) if self.design.rope == "pre" else x_hat
+        return unrope(x_hat, cos, -sin) if self.pre_rope else x_hat
 
     def coder(self):
         return lambda x, start: self.encode_decode(x[0].float(), start)[None]
 
 
-def fit_transform(design, cal: LayerCalibration, table) -> FittedTransform:
-    """Learn the basis (the KLT of block-centred keys in the query-weighted metric, or the identity) and spend
-    ``design.budget`` bits per element (scales counted) greedily: each step gives one more bit to the component
-    whose calibration error, weighted by its queries, falls most per bit."""
-    keys = cal.keys
-    hk, n, d = keys.shape
+def fit_components(x: torch.Tensor, moment: torch.Tensor, budget: float, identity: bool = False,
+                   weighted: bool = True) -> tuple[torch.Tensor, ...]:
+    """``(basis, inverse, widths, means)`` for ``x [Hk, N, D]`` whose error costs ``e^T moment e`` (``[Hk, D, D]``):
+    the basis is the KLT of block-centred ``x`` in that metric (or the identity), and ``budget`` bits per element
+    (scales counted) are spent greedily: each step gives more bits to the component whose calibration error,
+    weighted by the metric, falls most per bit."""
+    hk, n, d = x.shape
     n = n // BLOCK * BLOCK
-    if design.rope == "pre":
-        keys = unrope(keys, table[0][cal.positions], table[1][cal.positions])
-    keys = keys[:, :n]
-    moment = cal.q_pre if design.rope == "pre" else cal.q_post
+    x = x[:, :n]
     moment = moment + 1e-6 * moment.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(d)
-    if design.basis == "identity":
+    if identity:
         basis = torch.eye(d).expand(hk, d, d).clone()
     else:
-        lower = torch.linalg.cholesky(moment) if design.weighted else torch.eye(d).expand(hk, d, d)
-        w = (keys @ lower).reshape(hk, n // BLOCK, BLOCK, d)
+        lower = torch.linalg.cholesky(moment) if weighted else torch.eye(d).expand(hk, d, d)
+        w = (x @ lower).reshape(hk, n // BLOCK, BLOCK, d)
         centred = (w - w.mean(2, keepdim=True)).reshape(hk, n, d)
         _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred / n)
         basis = lower @ vectors.flip(-1)
     inverse = torch.linalg.inv(basis)
-    weight = torch.einsum("hjd,hde,hje->hj", inverse, moment, inverse)  # E[(q . e)^2] per unit error of z_j
-    z = keys @ basis
+    weight = torch.einsum("hjd,hde,hje->hj", inverse, moment, inverse)  # cost per unit squared error of z_j
+    z = x @ basis
     means = z.mean(1)
     errors = torch.stack([((round_blocks(z, torch.full((hk, d), float(b)), means) - z).pow(2).mean(1)) * weight
                           for b in range(9)], -1)  # [Hk, D, 9]
@@ -340,15 +348,32 @@ def fit_transform(design, cal: LayerCalibration, table) -> FittedTransform:
     cost[0] = 0.0  # bits per element of width b: the code and, when coded at all, a float16 scale and zero per block
     widths = torch.zeros(hk, d, dtype=torch.long)
     for h in range(hk):
-        spent, budget = 0.0, design.budget * d
+        spent = 0.0
         while True:  # any wider width may be the next step (1 bit over a min-max range can be worse than none)
             now = widths[h]
             extra = cost[None, :] - cost[now][:, None]  # [D, 9]
             gain = (errors[h, torch.arange(d), now][:, None] - errors[h]) / extra.clamp_min(1e-9)
-            gain[(extra <= 0) | (spent + extra > budget + 1e-9)] = -1
+            gain[(extra <= 0) | (spent + extra > budget * d + 1e-9)] = -1
             j, b = divmod(int(gain.argmax()), 9)
             if gain[j, b] <= 0:
                 break
             spent += float(extra[j, b])
             widths[h, j] = b
-    return FittedTransform(design, basis, inverse, widths.float(), means, table)
+    return basis, inverse, widths.float(), means
+
+
+def fit_transform(design, cal: LayerCalibration, table) -> FittedTransform:
+    """``design``'s key transform for one layer (the queries' second moment as the metric)."""
+    keys = cal.keys
+    pre = design.rope == "pre"
+    if pre:
+        keys = unrope(keys, table[0][cal.positions], table[1][cal.positions])
+    parts = fit_components(keys, cal.q_pre if pre else cal.q_post, design.budget, design.basis == "identity",
+                           design.weighted)
+    return FittedTransform(*parts, table, pre, design.basis == "identity")
+
+
+def fit_values(cal: LayerCalibration, budget: float, table) -> FittedTransform:
+    """A value transform for one layer: the metric is what a value error costs at the attention output projection,
+    ``sum over the query heads reading the KV head of W_o,h^T W_o,h`` (``cal.v_metric``)."""
+    return FittedTransform(*fit_components(cal.values, cal.v_metric, budget), table)
