@@ -157,6 +157,11 @@ DESIGNS: dict[str, Design] = {
     "tv-3-2.5": Design(kind="transform", budget=3.0, rope="pre", value_budget=2.5),
     "tv-3.25-2.25": Design(kind="transform", budget=3.25, rope="pre", value_budget=2.25),
     "tv-2.75-2.25": Design(kind="transform", budget=2.75, rope="pre", value_budget=2.25),
+    "tv-3.5-2": Design(kind="transform", budget=3.5, rope="pre", value_budget=2.0),
+    "tv-4-1.5": Design(kind="transform", budget=4.0, rope="pre", value_budget=1.5),
+    # the value codes alone: keys at 8 bits (about the int8 floor) beside tight's int2 rotated values (2.5 bits)
+    "v-2.5": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.5),
+    "v-2": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.0),
     # max's int1 values: the keys get max's key bytes (int3 + a quarter wide: ~3.78 bits)
     "t-klt-3.5-pre-max": Design(kind="transform", budget=3.5, rope="pre", values="max"),
     "t-id-3.75-max": Design(kind="transform", budget=3.75, basis="identity", values="max"),
@@ -278,6 +283,10 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=2)
     args = study_args(ap)
+    for option, given, allowed in (("--designs", args.designs, DESIGNS), ("--references", args.references,
+                                                                          schemes.SCHEMES)):
+        if unknown := [name for name in given.split(",") if name and name not in allowed]:
+            ap.error(f"{option}: {', '.join(unknown)} unknown; allowed: {', '.join(allowed)}")
     designs = {name: DESIGNS[name] for name in args.designs.split(",") if name}
     model, tok = load_model(args.model) if args.model else load_model()
     if args.stress != "none":

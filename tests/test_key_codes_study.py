@@ -1,0 +1,84 @@
+"""scripts/studies/key_codes.py (issue 39): the learned codes' pieces on small tensors and the tiny Llama, and its
+options checked before any model is loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+STUDIES = Path(__file__).resolve().parents[1] / "scripts" / "studies"
+
+
+@pytest.fixture(scope="module")
+def study():
+    """The study as a module registered under its name (its dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location("key_codes", STUDIES / "key_codes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["key_codes"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["key_codes"]
+
+
+@pytest.fixture(scope="module")
+def fit(study):
+    return sys.modules["key_codes_fit"]  # imported by the study from scripts/studies
+
+
+def test_unrope_inverts_the_models_rotary_embedding(fit, llama):
+    tables = fit.rope_tables(llama, 128)
+    cos, sin = tables[0]
+    k = torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(fit.unrope(fit.unrope(k, cos, sin), cos, -sin), k, atol=1e-5)
+    assert not torch.allclose(fit.unrope(k, cos, sin), k, atol=1e-2)
+
+
+@pytest.mark.parametrize("identity", [False, True], ids=["klt", "identity"])
+def test_a_transform_code_spends_its_budget_and_errs_less_with_more_bits(fit, identity):
+    gen = torch.Generator().manual_seed(0)
+    mix = torch.randn(2, 8, 8, generator=gen) * torch.tensor([4.0, 2, 1, 1, 0.5, 0.2, 0.1, 0.05])[:, None]
+    x = torch.randn(2, 640, 8, generator=gen) @ mix  # [Hk, N, D]: correlated channels of unequal size
+    moment = torch.eye(8).expand(2, 8, 8).clone()
+    errors = []
+    for budget in (2.0, 4.0):
+        code = fit.FittedTransform(*fit.fit_components(x, moment, budget, identity), (torch.ones(640, 8),) * 2)
+        assert code.bits() <= budget + 1e-6
+        assert torch.allclose(code.basis @ code.inverse, torch.eye(8).expand(2, 8, 8), atol=1e-4)
+        errors.append((code.encode_decode(x, 0) - x).pow(2).mean())
+    assert errors[1] < errors[0] / 2
+
+
+def test_the_coded_cache_codes_each_key_block_at_its_position(study, llama, prompt):
+    calls = []
+
+    def zero(x, start):
+        calls.append((start, x.shape[2]))
+        return torch.zeros_like(x)
+
+    cache = study.coded_cache(llama.config, "tight", lambda i: zero if i == 0 else None)
+    with torch.no_grad():
+        llama(prompt.repeat(1, 4), past_key_values=cache, use_cache=True)  # 256 tokens
+        for token in prompt[:, :64].T:  # then one at a time: blocks are quantized as the window moves on
+            llama(token[None], past_key_values=cache, use_cache=True)
+    blocks = cache.layers[0].key_store.blocks
+    assert len(calls) == 2 and blocks.length == 256  # the prefill's blocks in one call, then one more block
+    assert [start for start, _ in calls] == [4 + sum(m for _, m in calls[:i]) for i in range(len(calls))]  # after
+    assert sum(m for _, m in calls) == blocks.length  # the 4 exact sinks, each block once, at its own position
+    assert blocks.decode(0, blocks.length, torch.float32).abs().max() == 0  # what the coder returned is stored
+    assert cache.layers[1].key_store.blocks.decode(0, blocks.length, torch.float32).abs().max() > 0
+
+
+@pytest.mark.parametrize("option, value, allowed", [("--designs", "p2-6,nope", "p2-6"),
+                                                    ("--references", "hf-fp9", "hf-fp8")], ids=["design", "reference"])
+def test_an_unknown_name_is_refused_before_the_model_loads(study, monkeypatch, capsys, tmp_path, option, value,
+                                                            allowed):
+    monkeypatch.setattr(sys, "argv", ["key_codes.py", option, value, "--out", str(tmp_path / "t.md")])
+    with pytest.raises(SystemExit) as exit_info:
+        study.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{option}: {value.split(',')[-1]} unknown; allowed:" in err and allowed in err
