@@ -37,19 +37,35 @@ def test_unrope_inverts_the_models_rotary_embedding(fit, llama):
     assert not torch.allclose(fit.unrope(k, cos, sin), k, atol=1e-2)
 
 
-@pytest.mark.parametrize("identity", [False, True], ids=["klt", "identity"])
-def test_a_transform_code_spends_its_budget_and_errs_less_with_more_bits(fit, identity):
+@pytest.mark.parametrize("identity, meta_bits", [(False, 32), (True, 32), (False, 16)],
+                         ids=["klt", "identity", "klt-16-bit-scales"])
+def test_a_transform_code_spends_its_budget_and_errs_less_with_more_bits(fit, identity, meta_bits):
     gen = torch.Generator().manual_seed(0)
     mix = torch.randn(2, 8, 8, generator=gen) * torch.tensor([4.0, 2, 1, 1, 0.5, 0.2, 0.1, 0.05])[:, None]
-    x = torch.randn(2, 640, 8, generator=gen) @ mix  # [Hk, N, D]: correlated channels of unequal size
+    x = torch.randn(2, 640, 8, generator=gen) @ mix + 3  # [Hk, N, D]: correlated channels of unequal size
     moment = torch.eye(8).expand(2, 8, 8).clone()
     errors = []
     for budget in (2.0, 4.0):
-        code = fit.FittedTransform(*fit.fit_components(x, moment, budget, identity), (torch.ones(640, 8),) * 2)
-        assert code.bits() <= budget + 1e-6
+        code = fit.FittedTransform(*fit.fit_components(x, moment, budget, identity, meta_bits=meta_bits),
+                                   (torch.ones(640, 8),) * 2)
+        assert code.bits() <= budget + 1e-6 and (code.reference is None) == (meta_bits == 32)
         assert torch.allclose(code.basis @ code.inverse, torch.eye(8).expand(2, 8, 8), atol=1e-4)
         errors.append((code.encode_decode(x, 0) - x).pow(2).mean())
     assert errors[1] < errors[0] / 2
+
+
+def test_16_bit_scales_cost_little_error_at_the_same_width(fit):
+    z = torch.randn(2, 640, 8, generator=torch.Generator().manual_seed(1)) * 5 + 2
+    widths, means = torch.full((2, 8), 3.0), z.mean(1)
+    blocks = z.reshape(2, 10, 64, 8)
+    reference = (blocks.amax(2) - blocks.amin(2)).median(1).values
+    full, short = ((fit.round_blocks(z, widths, means, r) - z).pow(2).mean() for r in (None, reference))
+    assert full < short < 1.2 * full
+
+
+def test_block_metadata_other_than_32_or_16_bits_is_refused(fit):
+    with pytest.raises(ValueError, match="meta_bits=24: 32 .* or 16 allowed"):
+        fit.fit_components(torch.randn(1, 64, 4), torch.eye(4)[None], 2.0, meta_bits=24)
 
 
 def test_the_coded_cache_codes_each_key_block_at_its_position(study, llama, prompt):

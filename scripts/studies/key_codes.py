@@ -72,6 +72,9 @@ class Design:
     values in the metric of the attention output projection, widths per component for ``value_budget`` bits with
     scales) instead of the preset's rotated per-token codes.
 
+    ``meta_bits=16``: the transform codes' block metadata in 16 bits instead of a float16 scale and zero (an 8-bit
+    step exponent about a calibrated reference and an 8-bit zero, ``key_codes_fit.round_blocks``).
+
     ``kind="transform"``: not a codebook but a learned basis (``basis="klt"``: the KLT of block-centred keys in the
     query-weighted metric, or ``"identity"``: the channels themselves) whose components are rounded per 64-token
     block with widths chosen per (layer, head) on the calibration text, ``budget`` bits per key element with the
@@ -89,15 +92,17 @@ class Design:
     budget: float = 0.0
     basis: str = "klt"
     value_budget: float = 0.0
+    meta_bits: int = 32
 
     def label(self) -> str:
         weight = "q-weighted" if self.weighted else "unweighted"
         if self.kind == "transform":
             basis = "channels as they are" if self.basis == "identity" else f"{weight} KLT"
-            values = (f"values: transform code for {self.value_budget} bits with scales" if self.value_budget
+            scales = "scales" if self.meta_bits == 32 else "16-bit scales"
+            values = (f"values: transform code for {self.value_budget} bits with {scales}" if self.value_budget
                       else f"{self.values}'s values")
             return (f"transform code: {basis}, {self.rope}-RoPE, widths per component for {self.budget} bits with "
-                    f"scales; {values}")
+                    f"{scales}; {values}")
         book = "shared" if self.shared else "per group"
         stages = f" x {self.stages} stages" if self.stages > 1 else ""
         return (f"k-means {self.group} ch, {self.code_bits}-bit codes{stages} ({book}), {weight}, {self.rope}-RoPE, "
@@ -162,6 +167,15 @@ DESIGNS: dict[str, Design] = {
     # the value codes alone: keys at 8 bits (about the int8 floor) beside tight's int2 rotated values (2.5 bits)
     "v-2.5": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.5),
     "v-2": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.0),
+    # block metadata in 16 bits: the same budgets buy about a quarter bit more code
+    "t16-3-pre": Design(kind="transform", budget=3.0, rope="pre", meta_bits=16),
+    "t16-3.25-pre": Design(kind="transform", budget=3.25, rope="pre", meta_bits=16),
+    "t16-4-pre": Design(kind="transform", budget=4.0, rope="pre", meta_bits=16),
+    "tv16-3-2.5": Design(kind="transform", budget=3.0, rope="pre", value_budget=2.5, meta_bits=16),
+    "tv16-3.25-2.25": Design(kind="transform", budget=3.25, rope="pre", value_budget=2.25, meta_bits=16),
+    "tv16-3.5-2": Design(kind="transform", budget=3.5, rope="pre", value_budget=2.0, meta_bits=16),
+    "v16-2.5": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.5, meta_bits=16),
+    "v16-2": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.0, meta_bits=16),
     # max's int1 values: the keys get max's key bytes (int3 + a quarter wide: ~3.78 bits)
     "t-klt-3.5-pre-max": Design(kind="transform", budget=3.5, rope="pre", values="max"),
     "t-id-3.75-max": Design(kind="transform", budget=3.75, basis="identity", values="max"),
@@ -312,7 +326,8 @@ def main() -> None:
         values = None
         value_bits = 0.0
         if design.value_budget:
-            values = {i: fit_values(cal.layers[i], design.value_budget, tables[i]) for i in cal.layers}
+            values = {i: fit_values(cal.layers[i], design.value_budget, tables[i], design.meta_bits)
+                      for i in cal.layers}
             static += sum(code.static_bytes() for code in values.values())
             value_bits = sum(code.bits() for code in values.values()) / len(values)
         register(key, design.label(), design.values, lambda i, f=fitted[key]: f[i].coder() if i in f else None,

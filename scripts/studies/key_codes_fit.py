@@ -272,14 +272,28 @@ def fit_design(design, cal: LayerCalibration, table, seed: int = 0) -> FittedCod
     return code
 
 
-def round_blocks(z: torch.Tensor, widths: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+def round_blocks(z: torch.Tensor, widths: torch.Tensor, means: torch.Tensor,
+                 reference: torch.Tensor | None = None) -> torch.Tensor:
     """``z [H, m, D]`` rounded per (head, 64-token block, component) to ``widths [H, D]`` bits, asymmetric min-max
-    with float16 scale and zero (as ``round_keys``); a 0-bit component decodes to its calibration mean ``[H, D]``."""
+    with float16 scale and zero (as ``round_keys``); a 0-bit component decodes to its calibration mean ``[H, D]``.
+
+    With ``reference [H, D]`` (a typical block range of each component), 16 bits of metadata per block instead of
+    32: the step is ``reference / (2^width - 1)`` times ``2^(e/16)`` with ``e`` an int8 (rounded up: the block's
+    range fits), the levels an int8 number of steps from the calibration mean, centred on the block's midpoint
+    (its extremes may then be clipped by up to half a step)."""
     h, m, d = z.shape
     g = z.reshape(h, m // BLOCK, BLOCK, d)
     top = (2.0 ** widths - 1).clamp_min(1)[:, None, None, :]
-    lo = g.amin(2, keepdim=True).half().float()
-    step = ((g.amax(2, keepdim=True) - lo) / top).clamp_min(1e-8).half().float()
+    lo, hi = g.amin(2, keepdim=True), g.amax(2, keepdim=True)
+    if reference is None:
+        lo = lo.half().float()
+        step = ((hi - lo) / top).clamp_min(1e-8).half().float()
+    else:
+        unit = (reference[:, None, None, :] / top).clamp_min(1e-8)
+        e = torch.ceil(16 * torch.log2(((hi - lo) / top).clamp_min(1e-8) / unit)).clamp(-128, 127)
+        step = unit * 2 ** (e / 16)
+        mean = means[:, None, None, :]
+        lo = (((hi + lo) / 2 - mean) / step - top / 2).round().clamp(-128, 127) * step + mean
     rounded = (((g - lo) / step).round().clamp_min(0).minimum(top) * step + lo).reshape(h, m, d)
     return torch.where(widths[:, None, :] > 0, rounded, means[:, None, :])
 
@@ -296,24 +310,29 @@ class FittedTransform:
     inverse: torch.Tensor
     widths: torch.Tensor
     means: torch.Tensor
+    reference: torch.Tensor | None  # [Hk, D]: 16-bit block metadata (``round_blocks``); None: float16 scale, zero
     table: tuple
     pre_rope: bool = False
     identity: bool = False
 
     def static_bytes(self) -> int:
-        """The float16 inverse (none for the identity basis), the means and one byte per component width."""
+        """The float16 inverse (none for the identity basis), the means (and references) and one byte per
+        component width."""
         matrix = 0 if self.identity else self.inverse.numel() * 2
-        return matrix + self.means.numel() * 2 + self.widths.numel()
+        reference = 0 if self.reference is None else self.reference.numel() * 2
+        return matrix + self.means.numel() * 2 + reference + self.widths.numel()
 
     def bits(self) -> float:
-        """Stored bits per element: codes, and a float16 scale and zero per block for every coded component."""
-        return float((self.widths + 0.5 * (self.widths > 0)).mean())
+        """Stored bits per element: codes, and the block metadata (32 or 16 bits per block) of every coded
+        component."""
+        meta = (32 if self.reference is None else 16) / BLOCK
+        return float((self.widths + meta * (self.widths > 0)).mean())
 
     def encode_decode(self, k: torch.Tensor, start: int) -> torch.Tensor:
         m = k.shape[1]
         cos, sin = (t[start : start + m] for t in self.table)
         x = unrope(k, cos, sin) if self.pre_rope else k
-        x_hat = round_blocks(x @ self.basis, self.widths, self.means) @ self.inverse
+        x_hat = round_blocks(x @ self.basis, self.widths, self.means, self.reference) @ self.inverse
         return unrope(x_hat, cos, -sin) if self.pre_rope else x_hat
 
     def coder(self):
@@ -321,11 +340,14 @@ class FittedTransform:
 
 
 def fit_components(x: torch.Tensor, moment: torch.Tensor, budget: float, identity: bool = False,
-                   weighted: bool = True) -> tuple[torch.Tensor, ...]:
-    """``(basis, inverse, widths, means)`` for ``x [Hk, N, D]`` whose error costs ``e^T moment e`` (``[Hk, D, D]``):
-    the basis is the KLT of block-centred ``x`` in that metric (or the identity), and ``budget`` bits per element
-    (scales counted) are spent greedily: each step gives more bits to the component whose calibration error,
+                   weighted: bool = True, meta_bits: int = 32) -> tuple[torch.Tensor | None, ...]:
+    """``(basis, inverse, widths, means, reference)`` for ``x [Hk, N, D]`` whose error costs ``e^T moment e``
+    (``[Hk, D, D]``): the basis is the KLT of block-centred ``x`` in that metric (or the identity), and ``budget``
+    bits per element (block metadata of ``meta_bits`` counted; 16: ``reference`` is each component's median block
+    range, else None) are spent greedily: each step gives more bits to the component whose calibration error,
     weighted by the metric, falls most per bit."""
+    if meta_bits not in (32, 16):
+        raise ValueError(f"meta_bits={meta_bits}: 32 (float16 scale and zero) or 16 allowed")
     hk, n, d = x.shape
     n = n // BLOCK * BLOCK
     x = x[:, :n]
@@ -342,10 +364,14 @@ def fit_components(x: torch.Tensor, moment: torch.Tensor, budget: float, identit
     weight = torch.einsum("hjd,hde,hje->hj", inverse, moment, inverse)  # cost per unit squared error of z_j
     z = x @ basis
     means = z.mean(1)
-    errors = torch.stack([((round_blocks(z, torch.full((hk, d), float(b)), means) - z).pow(2).mean(1)) * weight
-                          for b in range(9)], -1)  # [Hk, D, 9]
-    cost = torch.arange(9.0) + 0.5
-    cost[0] = 0.0  # bits per element of width b: the code and, when coded at all, a float16 scale and zero per block
+    reference = None
+    if meta_bits == 16:
+        blocks = z.reshape(hk, n // BLOCK, BLOCK, d)
+        reference = (blocks.amax(2) - blocks.amin(2)).median(1).values
+    errors = torch.stack([((round_blocks(z, torch.full((hk, d), float(b)), means, reference) - z).pow(2).mean(1))
+                          * weight for b in range(9)], -1)  # [Hk, D, 9]
+    cost = torch.arange(9.0) + meta_bits / BLOCK
+    cost[0] = 0.0  # bits per element of width b: the code and, when coded at all, the block's metadata
     widths = torch.zeros(hk, d, dtype=torch.long)
     for h in range(hk):
         spent = 0.0
@@ -359,7 +385,7 @@ def fit_components(x: torch.Tensor, moment: torch.Tensor, budget: float, identit
                 break
             spent += float(extra[j, b])
             widths[h, j] = b
-    return basis, inverse, widths.float(), means
+    return basis, inverse, widths.float(), means, reference
 
 
 def fit_transform(design, cal: LayerCalibration, table) -> FittedTransform:
@@ -369,11 +395,11 @@ def fit_transform(design, cal: LayerCalibration, table) -> FittedTransform:
     if pre:
         keys = unrope(keys, table[0][cal.positions], table[1][cal.positions])
     parts = fit_components(keys, cal.q_pre if pre else cal.q_post, design.budget, design.basis == "identity",
-                           design.weighted)
+                           design.weighted, design.meta_bits)
     return FittedTransform(*parts, table, pre, design.basis == "identity")
 
 
-def fit_values(cal: LayerCalibration, budget: float, table) -> FittedTransform:
+def fit_values(cal: LayerCalibration, budget: float, table, meta_bits: int = 32) -> FittedTransform:
     """A value transform for one layer: the metric is what a value error costs at the attention output projection,
     ``sum over the query heads reading the KV head of W_o,h^T W_o,h`` (``cal.v_metric``)."""
-    return FittedTransform(*fit_components(cal.values, cal.v_metric, budget), table)
+    return FittedTransform(*fit_components(cal.values, cal.v_metric, budget, meta_bits=meta_bits), table)
