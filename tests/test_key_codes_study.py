@@ -66,6 +66,8 @@ def test_16_bit_scales_cost_little_error_at_the_same_width(fit):
 def test_block_metadata_other_than_32_or_16_bits_is_refused(fit):
     with pytest.raises(ValueError, match="meta_bits=24: 32 .* or 16 allowed"):
         fit.fit_components(torch.randn(1, 64, 4), torch.eye(4)[None], 2.0, meta_bits=24)
+    with pytest.raises(ValueError, match="meta_bits=8: 32 .* or 16 allowed"):
+        fit.fit_token_code(fit.LayerCalibration(values=torch.randn(1, 64, 4)), 2, 4, 8)
 
 
 def test_the_coded_cache_codes_each_key_block_at_its_position(study, llama, prompt):
@@ -98,3 +100,12 @@ def test_an_unknown_name_is_refused_before_the_model_loads(study, monkeypatch, c
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"{option}: {value.split(',')[-1]} unknown; allowed:" in err and allowed in err
+
+
+@pytest.mark.parametrize("meta_bits", [32, 16], ids=["float16-scales", "16-bit-scales"])
+def test_the_token_value_code_rounds_each_token_group_as_int2(fit, meta_bits):
+    v = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(2)) * 3  # [Hk, N, D]
+    code = fit.fit_token_code(fit.LayerCalibration(values=v), 2, 64, meta_bits)
+    error = (code.encode_decode(v, 0) - v).pow(2).mean() / v.pow(2).mean()
+    assert 0.18 < error < (0.21 if meta_bits == 32 else 0.23)  # min-max int2 over 64 Gaussians: about 0.2
+    assert code.static_bytes() == (0 if meta_bits == 32 else 2 * 2)

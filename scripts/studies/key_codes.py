@@ -58,7 +58,16 @@ from hf_asymkv.models import load_model
 sys.path.insert(0, str(Path(__file__).parent))
 from key_channel_bits import round_keys, study_args, write_report  # noqa: E402
 from key_code_variants import round_sparse  # noqa: E402
-from key_codes_fit import Calibration, FittedCode, calibrate, fit_design, fit_values, rope_tables, unrope  # noqa: E402
+from key_codes_fit import (  # noqa: E402
+    Calibration,
+    FittedCode,
+    calibrate,
+    fit_design,
+    fit_token_code,
+    fit_values,
+    rope_tables,
+    unrope,
+)
 
 BLOCK = 64
 TOKENS = 4096
@@ -74,6 +83,8 @@ class Design:
 
     ``meta_bits=16``: the transform codes' block metadata in 16 bits instead of a float16 scale and zero (an 8-bit
     step exponent about a calibrated reference and an 8-bit zero, ``key_codes_fit.round_blocks``).
+    ``value_meta_bits=16``: the preset's own value code (rotated, per token) emulated with such 16-bit metadata
+    per group (32: emulated with its float16 scale and zero, the emulation's check; 0: the preset's value store).
 
     ``kind="transform"``: not a codebook but a learned basis (``basis="klt"``: the KLT of block-centred keys in the
     query-weighted metric, or ``"identity"``: the channels themselves) whose components are rounded per 64-token
@@ -93,6 +104,7 @@ class Design:
     basis: str = "klt"
     value_budget: float = 0.0
     meta_bits: int = 32
+    value_meta_bits: int = 0
 
     def label(self) -> str:
         weight = "q-weighted" if self.weighted else "unweighted"
@@ -100,7 +112,7 @@ class Design:
             basis = "channels as they are" if self.basis == "identity" else f"{weight} KLT"
             scales = "scales" if self.meta_bits == 32 else "16-bit scales"
             values = (f"values: transform code for {self.value_budget} bits with {scales}" if self.value_budget
-                      else f"{self.values}'s values")
+                      else f"{self.values}'s values" + (f" ({self.value_meta_bits}-bit scales, emulated)" if self.value_meta_bits else ""))
             return (f"transform code: {basis}, {self.rope}-RoPE, widths per component for {self.budget} bits with "
                     f"{scales}; {values}")
         book = "shared" if self.shared else "per group"
@@ -176,6 +188,12 @@ DESIGNS: dict[str, Design] = {
     "tv16-3.5-2": Design(kind="transform", budget=3.5, rope="pre", value_budget=2.0, meta_bits=16),
     "v16-2.5": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.5, meta_bits=16),
     "v16-2": Design(kind="transform", budget=8.0, rope="pre", value_budget=2.0, meta_bits=16),
+    # tight's per-token int2 values with 16-bit metadata (0.25 bits per value element less); "-32": the same coder
+    # with its 16-bit metadata off, the emulation's check against t16-3.25-pre
+    "t16-3.25-pre-vt32": Design(kind="transform", budget=3.25, rope="pre", meta_bits=16, value_meta_bits=32),
+    "t16-3.5-pre-vt16": Design(kind="transform", budget=3.5, rope="pre", meta_bits=16, value_meta_bits=16),
+    "t16-3.75-pre-vt16": Design(kind="transform", budget=3.75, rope="pre", meta_bits=16, value_meta_bits=16),
+    "t16-3.25-pre-vt16": Design(kind="transform", budget=3.25, rope="pre", meta_bits=16, value_meta_bits=16),
     # max's int1 values: the keys get max's key bytes (int3 + a quarter wide: ~3.78 bits)
     "t-klt-3.5-pre-max": Design(kind="transform", budget=3.5, rope="pre", values="max"),
     "t-id-3.75-max": Design(kind="transform", budget=3.75, basis="identity", values="max"),
@@ -330,6 +348,12 @@ def main() -> None:
                       for i in cal.layers}
             static += sum(code.static_bytes() for code in values.values())
             value_bits = sum(code.bits() for code in values.values()) / len(values)
+        elif design.value_meta_bits:
+            preset = AsymKVCache(model.config, PRESETS[design.values]).cache_config
+            values = {i: fit_token_code(cal.layers[i], preset.value_bits, preset.value_group_size,
+                                        design.value_meta_bits) for i in cal.layers}
+            static += sum(code.static_bytes() for code in values.values())
+            value_bits = preset.value_bits + design.value_meta_bits / preset.value_group_size
         register(key, design.label(), design.values, lambda i, f=fitted[key]: f[i].coder() if i in f else None,
                  None if values is None else (lambda i, v=values: v[i].coder() if i in v else None))
         bits = design.code_bits_per_element()

@@ -14,6 +14,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_asymkv.calibration.data import pack_samples, stream_texts
+from hf_asymkv.core.rotation import rotate, unrotate
 from hf_asymkv.models import input_device
 
 BLOCK = 64
@@ -273,16 +274,17 @@ def fit_design(design, cal: LayerCalibration, table, seed: int = 0) -> FittedCod
 
 
 def round_blocks(z: torch.Tensor, widths: torch.Tensor, means: torch.Tensor,
-                 reference: torch.Tensor | None = None) -> torch.Tensor:
-    """``z [H, m, D]`` rounded per (head, 64-token block, component) to ``widths [H, D]`` bits, asymmetric min-max
+                 reference: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
+    """``z [H, m, D]`` rounded per (head, ``block``-token block, component) to ``widths [H, D]`` bits, asymmetric min-max
     with float16 scale and zero (as ``round_keys``); a 0-bit component decodes to its calibration mean ``[H, D]``.
 
     With ``reference [H, D]`` (a typical block range of each component), 16 bits of metadata per block instead of
     32: the step is ``reference / (2^width - 1)`` times ``2^(e/16)`` with ``e`` an int8 (rounded up: the block's
     range fits), the levels an int8 number of steps from the calibration mean, centred on the block's midpoint
-    (its extremes may then be clipped by up to half a step)."""
+    (its extremes may then be clipped by up to half a step; at widths 7-8 the int8 zero may not reach a block whose
+    midpoint is far from the mean, and the fit then sees the larger error and avoids those widths)."""
     h, m, d = z.shape
-    g = z.reshape(h, m // BLOCK, BLOCK, d)
+    g = z.reshape(h, m // block, block, d)
     top = (2.0 ** widths - 1).clamp_min(1)[:, None, None, :]
     lo, hi = g.amin(2, keepdim=True), g.amax(2, keepdim=True)
     if reference is None:
@@ -296,6 +298,42 @@ def round_blocks(z: torch.Tensor, widths: torch.Tensor, means: torch.Tensor,
         lo = (((hi + lo) / 2 - mean) / step - top / 2).round().clamp(-128, 127) * step + mean
     rounded = (((g - lo) / step).round().clamp_min(0).minimum(top) * step + lo).reshape(h, m, d)
     return torch.where(widths[:, None, :] > 0, rounded, means[:, None, :])
+
+
+@dataclass
+class TokenCode:
+    """Values as the presets store them (Hadamard-rotated, rounded per token in groups of ``group`` channels to
+    ``bits``, min-max), with a float16 scale and zero per group (``reference`` None) or 16-bit metadata as
+    :func:`round_blocks` makes it (``reference [Hk]``: the median range of a rotated group on calibration text)."""
+
+    bits: int
+    group: int
+    reference: torch.Tensor | None
+
+    def static_bytes(self) -> int:
+        return 0 if self.reference is None else self.reference.numel() * 2
+
+    def encode_decode(self, v: torch.Tensor, start: int) -> torch.Tensor:
+        """``v [H, m, D]`` -> its decoded code; each token's group of channels is one "block" of ``round_blocks``."""
+        h, m, d = v.shape
+        z = rotate(v).reshape(h, m * d // self.group, self.group).transpose(1, 2)  # [H, group, groups]
+        n = z.shape[2]
+        reference = None if self.reference is None else self.reference[:, None].expand(h, n)
+        out = round_blocks(z, torch.full((h, n), float(self.bits)), torch.zeros(h, n), reference, self.group)
+        return unrotate(out.transpose(1, 2).reshape(h, m, d))
+
+    def coder(self):
+        return lambda x, start: self.encode_decode(x[0].float(), start)[None]
+
+
+def fit_token_code(cal: LayerCalibration, bits: int, group: int, meta_bits: int) -> TokenCode:
+    """The per-token value code of ``bits`` with ``meta_bits`` (32 or 16) of metadata per group for one layer."""
+    if meta_bits not in (32, 16):
+        raise ValueError(f"meta_bits={meta_bits}: 32 (float16 scale and zero) or 16 allowed")
+    if meta_bits == 32:
+        return TokenCode(bits, group, None)
+    groups = rotate(cal.values).reshape(cal.values.shape[0], -1, group)
+    return TokenCode(bits, group, (groups.amax(-1) - groups.amin(-1)).median(1).values)
 
 
 @dataclass
