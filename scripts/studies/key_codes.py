@@ -195,6 +195,9 @@ DESIGNS: dict[str, Design] = {
     "t16-3.75-pre-vt16": Design(kind="transform", budget=3.75, rope="pre", meta_bits=16, value_meta_bits=16),
     "t16-3.25-pre-vt16": Design(kind="transform", budget=3.25, rope="pre", meta_bits=16, value_meta_bits=16),
     "t16-3.4-pre-vt16": Design(kind="transform", budget=3.4, rope="pre", meta_bits=16, value_meta_bits=16),
+    # at max's bytes (~5.6x)
+    "t16-2.75-pre-vt16": Design(kind="transform", budget=2.75, rope="pre", meta_bits=16, value_meta_bits=16),
+    "t16-3-pre-vt16": Design(kind="transform", budget=3.0, rope="pre", meta_bits=16, value_meta_bits=16),
     # max's int1 values: the keys get max's key bytes (int3 + a quarter wide: ~3.78 bits)
     "t-klt-3.5-pre-max": Design(kind="transform", budget=3.5, rope="pre", values="max"),
     "t-id-3.75-max": Design(kind="transform", budget=3.75, basis="identity", values="max"),
