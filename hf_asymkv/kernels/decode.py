@@ -3,7 +3,9 @@
 :func:`decode_attention` splits the key sequence (one quantized region, up to two exact segments) into runs of
 tiles, launches :func:`~hf_asymkv.kernels.triton_decode.partial_attention_kernel` once over all of them (one
 program per batch row, KV head and split) and :func:`~hf_asymkv.kernels.triton_decode.merge_partials_kernel`
-once to merge the splits: two launches per layer and step. Importing this module imports Triton.
+once to merge the splits: two launches per layer and step. :func:`plan_decode_attention` builds those launches
+without making them (:class:`KernelLaunch`): the kernel report compiles them for a GPU it does not have
+(:mod:`hf_asymkv.kernels.sass`). Importing this module imports Triton.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from .regions import (
     MAX_EXACT_SEGMENTS,
@@ -39,7 +42,8 @@ from .triton_decode import (
     partial_attention_kernel,
 )
 
-__all__ = ["LaunchConfig", "decode_attention", "launch_decode_attention"]
+__all__ = ["INTERPRETED", "KernelLaunch", "LaunchConfig", "decode_attention", "launch_decode_attention",
+           "pipeline_stages", "plan_decode_attention"]
 
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
 # Measured on one H200 (results/gpu/h200_tune, docs/gpu.md): with Triton's default of 3 pipeline stages the
@@ -48,6 +52,8 @@ PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiproce
 _STAGES_BY_TILE = {64: 1, 32: 2}
 INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+INTERPRETED = not isinstance(partial_attention_kernel, JITFunction)
+"""Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when they were defined)."""
 
 
 def decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None = None,
@@ -87,6 +93,30 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     """:func:`decode_attention` for a request :func:`~hf_asymkv.kernels.regions.unsupported` has passed already
     (the core's glue checks once per call, to choose the backend): no second check on the decode step's path.
     ``launch`` overrides the launch settings (warps, pipeline stages, tile, programs per SM): for tuning."""
+    launches, out = plan_decode_attention(query, scaling, quantized=quantized, exact=exact,
+                                          attention_mask=attention_mask, kv_len=kv_len,
+                                          tiles_per_split=tiles_per_split, launch=launch)
+    for kernel_launch in launches:
+        kernel_launch.kernel[kernel_launch.grid](*kernel_launch.args, **kernel_launch.options)
+    return out
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch: ``kernel[grid](*args, **options)`` (``options``: the constexprs, ``num_warps``, ``num_stages``)."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    options: dict
+
+
+def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None,
+                          exact: tuple[ExactSegment, ...], attention_mask: torch.Tensor | None = None,
+                          kv_len: int | None = None, tiles_per_split: int | None = None,
+                          launch: LaunchConfig | None = None) -> tuple[tuple[KernelLaunch, ...], torch.Tensor]:
+    """The launches :func:`launch_decode_attention` makes, in order, and the ``[B, q, Hq, D]`` output the last one
+    writes (allocated, not yet written). Same arguments."""
     segments = tuple(seg for seg in exact if seg.tokens)
     quantized = quantized if quantized is not None and quantized.tokens else None
     regions = ([quantized] if quantized is not None else []) + list(segments)
@@ -112,23 +142,25 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
     quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query)
-    partial_attention_kernel[(b * heads, n_splits)](
+    partial = KernelLaunch(partial_attention_kernel, (b * heads, n_splits), (
         query, *query.stride(), acc, m, l_,
         *quant_args, splits[0] if has_quant else 0,
         *exact_args[0][:-1], splits[1 if has_quant else 0] if segments else 0,
         *exact_args[1][:-1],
-        tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e),
+        tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e)), dict(
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
-        num_warps=num_warps, num_stages=stages, **constants)
+        num_warps=num_warps, num_stages=stages, **constants))
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
     rotated = has_quant and quantized.values.rotated
     block = head_dim & -head_dim
-    merge_partials_kernel[(b * heads,)](
+    merge = KernelLaunch(merge_partials_kernel, (b * heads,), (
         acc, m, l_, out, *out.stride(), n_splits, splits[0] if rotated else 0, heads, hq // heads, q_len,
-        1 / math.sqrt(block), HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, LOG2_BLOCK=block.bit_length() - 1,
-        ROTATED=rotated, num_warps=num_warps)
-    return out
+        1 / math.sqrt(block)), dict(HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, LOG2_BLOCK=block.bit_length() - 1,
+        ROTATED=rotated, num_warps=num_warps))
+    return (partial, merge), out
+
+
 
 
 @dataclass(frozen=True)
@@ -139,6 +171,7 @@ class LaunchConfig:
     num_stages: int | None = None  # software-pipeline depth; default: pipeline_stages(tile)
     tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
+    sm_count: int | None = None  # streaming multiprocessors to fill; default: the device's (a card's, for the report)
 
     def tile_for(self, quantized: QuantizedRegion | None) -> int:
         """Tokens per tile for ``quantized``: the default, or the override if it fits a key scale group."""
@@ -166,7 +199,7 @@ def _pow2(n: int) -> int:
 
 def _dot_dtype(query: torch.Tensor):
     # the interpreter multiplies bfloat16 as raw integers: keep its products in float32
-    return tl.float32 if query.device.type == "cpu" else _DOT_DTYPES[query.dtype]
+    return tl.float32 if INTERPRETED else _DOT_DTYPES[query.dtype]
 
 
 @functools.lru_cache(maxsize=8)
@@ -175,9 +208,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _target_programs(device: torch.device, launch: LaunchConfig) -> int:
-    if device.type != "cuda":
+    if launch.sm_count is None and device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return (launch.programs_per_sm or PROGRAMS_PER_SM) * _sm_count(device)
+    return (launch.programs_per_sm or PROGRAMS_PER_SM) * (launch.sm_count or _sm_count(device))
 
 
 def _mask_args(mask: torch.Tensor | None, q_len: int, hq: int, fallback: torch.Tensor, start: int
