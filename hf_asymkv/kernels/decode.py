@@ -20,6 +20,7 @@ from triton.runtime.jit import JITFunction
 
 from .regions import (
     MAX_EXACT_SEGMENTS,
+    MAX_TILE,
     MIN_TILE,
     ExactSegment,
     QuantizedRegion,
@@ -45,6 +46,9 @@ from .triton_decode import (
 __all__ = ["INTERPRETED", "KernelLaunch", "LaunchConfig", "decode_attention", "launch_decode_attention",
            "pipeline_stages", "plan_decode_attention"]
 
+FAST_MAX_TILE = 128  # tokens per tile on the fast path: a key block of balanced and quality
+MERGE_ELEMENTS = 4096  # a merge program holds (splits x channels) of one row: at most this many floats
+MERGE_WARPS = 4
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
 # Measured on one H200 (results/gpu/h200_tune, docs/gpu.md): with Triton's default of 3 pipeline stages the
 # 64-token tile of float32 queries needs 264 KiB of shared memory (the card has 227) and bf16 runs 1.2-1.9x slower
@@ -127,7 +131,10 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     rows = hq // heads * q_len
     kv_len = max(r.start + r.tokens for r in regions) if kv_len is None else kv_len
     launch = launch or _DEFAULT_LAUNCH
-    tile = launch.tile_for(quantized)
+    d_pad, r_pad = _pow2(head_dim), _pow2(rows)
+    fast = quantized is not None and fast_path(quantized, d_pad)
+    tile = launch.tile_for(quantized, FAST_MAX_TILE if fast else MAX_TILE)
+    fast = fast and fast_path(quantized, d_pad, tile)
     counts = [-(-r.tokens // tile) for r in regions]
     if tiles_per_split is None:
         tiles_per_split = max(1, -(-sum(counts) * b * heads // _target_programs(query.device, launch)))
@@ -135,29 +142,31 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     n_splits = sum(splits)
     acc = torch.empty(b * heads, n_splits, rows, head_dim, dtype=torch.float32, device=query.device)
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
-    d_pad, r_pad = _pow2(head_dim), _pow2(rows)
     num_warps = launch.num_warps or (4 if d_pad * r_pad <= 4096 else 8)
     stages = launch.num_stages or pipeline_stages(tile)
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
-    quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query)
+    quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query, fast)
+    rotated = has_quant and quantized.values.rotated
+    block = head_dim & -head_dim
     partial = KernelLaunch(partial_attention_kernel, (b * heads, n_splits), (
         query, *query.stride(), acc, m, l_,
         *quant_args, splits[0] if has_quant else 0,
         *exact_args[0][:-1], splits[1 if has_quant else 0] if segments else 0,
         *exact_args[1][:-1],
-        tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e)), dict(
+        tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e),
+        1 / math.sqrt(block)), dict(
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
+        ASM=not INTERPRETED, QDOT=_code_dot_dtype(query), ROTATED=rotated, LOG2_BLOCK=block.bit_length() - 1,
         num_warps=num_warps, num_stages=stages, **constants))
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
-    rotated = has_quant and quantized.values.rotated
-    block = head_dim & -head_dim
-    merge = KernelLaunch(merge_partials_kernel, (b * heads,), (
-        acc, m, l_, out, *out.stride(), n_splits, splits[0] if rotated else 0, heads, hq // heads, q_len,
-        1 / math.sqrt(block)), dict(HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, LOG2_BLOCK=block.bit_length() - 1,
-        ROTATED=rotated, num_warps=num_warps))
+    s_pad = max(2, _pow2(n_splits, least=1))
+    chunk = max(16, min(d_pad, MERGE_ELEMENTS // s_pad))
+    merge = KernelLaunch(merge_partials_kernel, (b * heads * rows, -(-head_dim // chunk)), (
+        acc, m, l_, out, *out.stride(), n_splits, heads, hq // heads, q_len), dict(
+        HEAD_DIM=head_dim, S_PAD=s_pad, CHUNK=chunk, num_warps=MERGE_WARPS))
     return (partial, merge), out
 
 
@@ -173,9 +182,10 @@ class LaunchConfig:
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
     sm_count: int | None = None  # streaming multiprocessors to fill; default: the device's (a card's, for the report)
 
-    def tile_for(self, quantized: QuantizedRegion | None) -> int:
-        """Tokens per tile for ``quantized``: the default, or the override if it fits a key scale group."""
-        default = tile_tokens(quantized)
+    def tile_for(self, quantized: QuantizedRegion | None, limit: int = MAX_TILE) -> int:
+        """Tokens per tile for ``quantized``: the default (at most ``limit``), or the override if it fits a key
+        scale group."""
+        default = tile_tokens(quantized, limit)
         if self.tile is None:
             return default
         if self.tile < MIN_TILE or self.tile & (self.tile - 1) or default % self.tile:
@@ -192,14 +202,21 @@ def pipeline_stages(tile: int) -> int:
     return _STAGES_BY_TILE.get(tile, 2)
 
 
-def _pow2(n: int) -> int:
-    """Block extent for ``n`` (a power of two >= 16: a matrix-product operand's least size)."""
-    return max(16, 1 << (n - 1).bit_length())
+def _pow2(n: int, least: int = 16) -> int:
+    """Block extent for ``n``: a power of two, at least ``least`` (16: a matrix-product operand's least size)."""
+    return max(least, 1 << (n - 1).bit_length())
 
 
 def _dot_dtype(query: torch.Tensor):
     # the interpreter multiplies bfloat16 as raw integers: keep its products in float32
     return tl.float32 if INTERPRETED else _DOT_DTYPES[query.dtype]
+
+
+def _code_dot_dtype(query: torch.Tensor):
+    """Operand dtype of the products over codes on the fast path: float16 for half-precision queries (codes become
+    fp16 by bit operations, see :mod:`.triton_codes`; bfloat16's 8-bit mantissa cannot hold an 8-bit code), float32
+    for float32 queries and under the interpreter."""
+    return tl.float32 if INTERPRETED or query.dtype == torch.float32 else tl.float16
 
 
 @functools.lru_cache(maxsize=8)
@@ -247,13 +264,14 @@ def _exact_args(seg: ExactSegment | None, attention_mask, q_len: int, hq: int, d
 
 
 def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
-    """Pointer/stride arguments and constexprs of one quantized tensor (see ``_codes`` in the kernels)."""
-    codes, widths, block = stored.codes, (0, 0), 1
+    """Pointer/stride arguments and constexprs of one quantized tensor (see ``_codes`` in the kernels; ``FLIP`` and
+    the offset of int8 codes are what the fast path reads, :mod:`.triton_codes`)."""
+    codes, widths, block, flip = stored.codes, (0, 0), 1, 0
     if codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         kind = FP8_E4M3 if codes.dtype == torch.float8_e4m3fn else FP8_E5M2
         codes = codes.view(torch.uint8)
     elif stored.bits == 8:
-        kind = INT8
+        kind, flip = INT8, 0x80 if codes.dtype == torch.int8 else 0
     else:
         kind = PACKED_TOKENS if stored.layout == "tokens" else PACKED_HEAD_DIM
         widths = (*plane_sets(stored.bits), 0)[:2]
@@ -261,27 +279,48 @@ def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
     zero = stored.zero if stored.zero is not None else stored.scale
     offset = 2 ** (stored.bits - 1) if stored.bits < 8 and stored.symmetric else 0
     constants = dict(KIND=kind, W0=widths[0], W1=widths[1], OFFSET=offset, PB=block, TG=stored.token_group,
-                     CG=stored.channel_group, ZERO=stored.zero is not None)
+                     CG=stored.channel_group, ZERO=stored.zero is not None, FLIP=flip)
     args = [codes, *codes.stride(), stored.scale, zero, *stored.scale.stride()]
     return args, {f"{prefix}_{name}": value for name, value in constants.items()}
 
 
-def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: int, dummy: torch.Tensor
-                ) -> tuple[list, dict]:
-    """Arguments of the quantized-region slot (up to its split count) and every K_*/V_*/Q_MASK constexpr."""
+def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:
+    """Whether the kernel reads ``region`` on its fast path (:mod:`.triton_codes`): int8 or token-packed codes,
+    keys with one scale per channel (or per head) per block, values with one scale per token, blocks made of whole
+    tiles (``tile``, default the fast path's own), a power-of-two head_dim."""
+    keys, values = region.keys, region.values
+    tile = tile or tile_tokens(region, FAST_MAX_TILE)
+    if keys.head_dim != d_pad or keys.token_group % tile or keys.channel_group not in (1, keys.head_dim):
+        return False
+    if values.token_group != 1 or values.channel_group != values.head_dim:
+        return False
+    for stored in (keys, values):
+        if stored.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return False
+        if stored.bits < 8 and (stored.layout != "tokens" or stored.block_size % tile):
+            return False
+    return True
+
+
+def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: int, dummy: torch.Tensor,
+                fast: bool) -> tuple[list, dict]:
+    """Arguments of the quantized-region slot (up to its split count) and every K_*/V_*/Q_MASK/FAST constexpr."""
     if region is None:
         fake = StoredCodes(dummy.new_zeros(1, 1, 1, 1, dtype=torch.int8), dummy.new_zeros(1, 1, 1, 1), None, 8, True)
         keys, key_constants = _code_args(fake, "K")
         values, value_constants = _code_args(fake, "V")
         wide, wide_constants = _wide_args(fake, dummy)
         return ([*keys, *values, *wide, dummy, 0, 0, 0, 0, 0, 0],
-                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE})
+                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE, "FAST": False})
     keys, key_constants = _code_args(region.keys, "K")
     values, value_constants = _code_args(region.values, "V")
     wide, wide_constants = _wide_args(region.keys, dummy)
     mask, mode, column = _mask_args(_region_mask(region, attention_mask), q_len, hq, dummy, region.start)
+    if fast:  # flipped int8 codes read 128 above their value
+        key_constants["K_OFFSET"] += 128 if key_constants["K_FLIP"] else 0
+        value_constants["V_OFFSET"] += 128 if value_constants["V_FLIP"] else 0
     return ([*keys, *values, *wide, *mask, region.tokens, column],
-            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode})
+            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode, "FAST": fast})
 
 
 def _wide_args(keys: StoredCodes, dummy: torch.Tensor) -> tuple[list, dict]:
@@ -289,5 +328,5 @@ def _wide_args(keys: StoredCodes, dummy: torch.Tensor) -> tuple[list, dict]:
     if keys.wide_bits is None:
         return [dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0], dict(K_WIDE=0, K_WIDE_PAD=1, K_WIDE_BYTES=1)
     count = keys.wide_channels.shape[-1]
-    constants = dict(K_WIDE=count, K_WIDE_PAD=_pow2(count), K_WIDE_BYTES=keys.wide_bits.shape[-1])
+    constants = dict(K_WIDE=count, K_WIDE_PAD=_pow2(count), K_WIDE_BYTES=keys.wide_bits.shape[-1])  # >= 16: a product
     return [keys.wide_bits, *keys.wide_bits.stride(), keys.wide_channels, *keys.wide_channels.stride()], constants

@@ -143,8 +143,8 @@ class CompiledStats:
     """What one compiled kernel uses and issues.
 
     Attributes:
-        registers: per thread; local_bytes: local memory per thread (spills, or arrays the compiler could not keep
-            in registers); spill_instructions: local loads and stores (``LDL``/``STL``) anywhere in the kernel;
+        registers: per thread; local_bytes: local memory and stack per thread (spills, or arrays the compiler could
+            not keep in registers); spill_instructions: local loads and stores (``LDL``/``STL``) anywhere in the kernel;
         shared_bytes: static + dynamic shared memory per block (what a launch asks for);
         num_warps: warps per program; loop: the main loop's instruction count by class (:data:`CLASSES`).
     """
@@ -174,7 +174,7 @@ def stats(compiled) -> CompiledStats:
     sass = disassemble(cubin)
     spills = sum(1 for _, text in instructions(sass) if classify(text) == "other" and re.search(r"\b(LDL|STL)\b", text))
     loop = Counter(classify(text) for text in main_loop(sass))
-    return CompiledStats(registers=resource(usage, "REG"), local_bytes=resource(usage, "LOCAL"),
-                         spill_instructions=spills,
+    return CompiledStats(registers=resource(usage, "REG"),
+                         local_bytes=resource(usage, "LOCAL") + resource(usage, "STACK"), spill_instructions=spills,
                          shared_bytes=resource(usage, "SHARED") + int(compiled.metadata.shared),
                          num_warps=int(compiled.metadata.num_warps), loop={kind: loop.get(kind, 0) for kind in CLASSES})
