@@ -46,12 +46,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--guard-into", type=Path, default=None, metavar="JSON",
                    help="also record this run's instructions per byte for the installed Triton in JSON (the CI guard's "
                         "committed figures, results/gpu/kernel_guard.json)")
+    p.add_argument("--baseline", type=Path, default=None, metavar="JSON",
+                   help="an earlier kernel_report.json: its figures go beside this run's (the before column)")
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--quiet", action="store_true", help="no line per configuration")
     args = p.parse_args(argv)
     bad = [h for h in args.head_dims if not 1 <= h <= 256]
     if bad:
         p.error(f"--head-dims must be in [1, 256], got {bad}")
+    if args.baseline is not None and not args.baseline.is_file():
+        p.error(f"--baseline {args.baseline}: no such file (an earlier kernel_report.json expected)")
     if args.context < 512:
         p.error(f"--context must be >= 512 (every preset then quantizes blocks), got {args.context}")
     try:
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
             "seconds": round(time.monotonic() - started, 1)}
     report = {"meta": meta, "cards": [dict(name=c.name, arch=c.arch, budget=c.budget) for c in kr.CARDS],
               "targets": kr.TARGETS, "rows": rows}
+    if args.baseline is not None:
+        report["baseline"] = kr.baseline(args.baseline)
     paths = kr.write(args.out, report)
     if args.guard_into is not None:
         paths.append(kr.record_guard(args.guard_into, report))

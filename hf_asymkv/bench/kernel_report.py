@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CARDS", "CONTEXT", "DTYPES", "HEAD_DIMS", "QUERY_ROWS", "SHARED_CASES", "TARGETS", "Card", "Config",
-           "grid", "markdown", "measure", "record_guard", "shared_cases", "target_rows", "token_bytes", "write"]
+           "baseline", "grid", "markdown", "measure", "record_guard", "shared_cases", "target_rows", "token_bytes", "write"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
@@ -231,19 +231,24 @@ def markdown(report: dict) -> str:
                      f"{card.budget / 2:.3f} |")
     budgets = {c.name: c.budget for c in CARDS if c.arch == "sm_90a"}
     goal = target_rows(rows)
+    baseline = report.get("baseline")  # {"meta": ..., "per_byte": {name: figure}} of an earlier report, or None
     if goal:
+        before = "" if baseline is None else f" The before column is `{baseline['meta']['command']}` at commit " \
+            f"{baseline['meta']['commit']} (triton {baseline['meta']['triton']})."
         lines += ["", "## Issue 37's goals: sm_90a, Llama-3-8B shapes, bf16, GQA 4, 1 query token", "",
                   "Per KV byte: all main-loop warp instructions, then by class. Per tile and warp: the loop's "
-                  "instruction count.", "",
-                  "| preset | tile | warps | stages | bytes / tile | instr / byte | goal | x H100 budget | x H200 budget "
-                  "| global | conversion | integer | float | mma | shared+sync | other | per tile per warp | registers "
-                  "| shared KiB | problems |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-                  "---:|---:|---:|---:|---:|---|"]
+                  "instruction count." + before, "",
+                  "| preset | tile | warps | stages | bytes / tile | instr / byte | before | goal | x H100 budget | "
+                  "x H200 budget | global | conversion | integer | float | mma | shared+sync | other | per tile per warp "
+                  "| registers | shared KiB | problems |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                  "---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in goal:
             c = r["per_byte_by_class"]
+            was = None if baseline is None else baseline["per_byte"].get(r["name"])
             lines.append(
                 f"| {r['preset']} | {r['tile']} | {r['num_warps']} | {r['num_stages']} | {r['tile_bytes']:.0f} | "
-                f"**{r['per_byte']:.3f}** | {TARGETS[r['preset']]:.2f} | {r['per_byte'] / budgets['H100 SXM']:.2f} | "
+                f"**{r['per_byte']:.3f}** | {'-' if was is None else f'{was:.3f}'} | {TARGETS[r['preset']]:.2f} | "
+                f"{r['per_byte'] / budgets['H100 SXM']:.2f} | "
                 f"{r['per_byte'] / budgets['H200']:.2f} | {c['global']:.4f} | {c['conversion']:.4f} | "
                 f"{c['integer']:.4f} | {c['float']:.4f} | {c['mma']:.4f} | {c['shared_sync']:.4f} | {c['other']:.4f} | "
                 f"{r['loop_instructions']} | {r['registers']} | {_kib(r['shared_bytes'])} | {_flags(r) or '-'} |")
@@ -279,6 +284,16 @@ def write(out_dir, report: dict) -> list:
     out_dir.mkdir(parents=True, exist_ok=True)
     return [atomic_write_text(out_dir / "kernel_report.json", json.dumps(report, indent=1) + "\n"),
             atomic_write_text(out_dir / "kernel_report.md", markdown(report))]
+
+
+def baseline(path) -> dict:
+    """An earlier report's (``kernel_report.json`` at ``path``) command and instructions per byte by configuration,
+    for the before column of :func:`markdown`."""
+    import json
+    from pathlib import Path
+
+    earlier = json.loads(Path(path).read_text())
+    return {"meta": earlier["meta"], "per_byte": {r["name"]: r["per_byte"] for r in earlier["rows"]}}
 
 
 def record_guard(path, report: dict):

@@ -53,7 +53,9 @@ PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiproce
 # Measured on one H200 (results/gpu/h200_tune, docs/gpu.md): with Triton's default of 3 pipeline stages the
 # 64-token tile of float32 queries needs 264 KiB of shared memory (the card has 227) and bf16 runs 1.2-1.9x slower
 # than the best of the sweep; 1 stage was fastest for 64-token tiles, 2 for 32-token tiles, both fit float32.
-_STAGES_BY_TILE = {64: 1, 32: 2}
+# 128-token tiles (the fast path's, quality and balanced; not measured on a GPU) take 1 stage like 64: with 2, the
+# exact segments' bf16 tiles ask 129 KiB of shared memory (results/gpu/kernel_report.md), over sm_89's 99 KiB.
+_STAGES_BY_TILE = {128: 1, 64: 1, 32: 2}
 INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 INTERPRETED = not isinstance(partial_attention_kernel, JITFunction)
