@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from hf_asymkv.kernels.triton_codes import MAGIC_ASM
+from hf_asymkv.kernels.triton_codes import MAGIC_ASM, MAGIC_SUB_ASM
 
 
 def _lop3(a: int, b: int, c: int, lut: int) -> int:
@@ -36,6 +36,16 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
+def _halves(word: int) -> np.ndarray:
+    return np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
+
+
+def _sub_f16x2(a: int, b: int) -> int:
+    """PTX ``sub.f16x2``: two fp16 subtractions, lane by lane (IEEE, round to nearest even)."""
+    bits = (_halves(a) - _halves(b)).view(np.uint16)
+    return int(bits[0]) | int(bits[1]) << 16
+
+
 def run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
     """Execute ``asm`` (the subset above, ``.reg`` declarations, immediates in hex) on 32-bit ``operands`` (``$0``...)."""
     regs = dict(operands)
@@ -54,6 +64,8 @@ def run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
             regs[args[0]] = _lop3(value(args[1]), value(args[2]), value(args[3]), value(args[4]))
         elif op == "prmt.b32":
             regs[args[0]] = _prmt(value(args[1]), value(args[2]), value(args[3]))
+        elif op == "sub.f16x2":
+            regs[args[0]] = _sub_f16x2(value(args[1]), value(args[2]))
         else:
             raise AssertionError(f"the emulator does not know {op!r}: extend it with the PTX ISA's definition")
     return regs
@@ -99,3 +111,14 @@ def test_emulator_knows_the_instructions():
     assert _prmt(0x44332211, 0x88776655, 0x5140) == 0x66225511
     assert _prmt(0x000080FF, 0, 0x4498) == 0xFFFF  # sign replication of bytes 0, 1; bytes 2, 3 from b
     assert re.search(r"lop3\.b32.*0x6a", MAGIC_ASM.value)
+
+
+def test_exact_int8_asm_gives_the_signed_code():
+    """``MAGIC_SUB_ASM`` with the operands the 8-bit key path passes (mask 0xff, flip 0x80, offset 1024 + 128 in every
+    fp16 lane): each byte of an int8 code becomes its signed value in fp16, exactly."""
+    offset = int(np.array([1024.0 + 128], dtype=np.float16).view(np.uint16)[0]) * 0x00010001
+    for b in range(256):
+        got = run_ptx(MAGIC_SUB_ASM.value, {"$2": b * 0x01010101, "$3": 0xFFFFFFFF, "$4": 0x80808080, "$5": offset,
+                                             "$6": offset})
+        signed = b - 256 if b >= 128 else b
+        assert list(_halves(got["$0"])) + list(_halves(got["$1"])) == [signed] * 4, b
