@@ -3,7 +3,9 @@
 :func:`decode_attention` splits the key sequence (one quantized region, up to two exact segments) into runs of
 tiles, launches :func:`~hf_asymkv.kernels.triton_decode.partial_attention_kernel` once over all of them (one
 program per batch row, KV head and split) and :func:`~hf_asymkv.kernels.triton_decode.merge_partials_kernel`
-once to merge the splits: two launches per layer and step. Importing this module imports Triton.
+once to merge the splits: two launches per layer and step. :func:`plan_decode_attention` builds those launches
+without making them (:class:`KernelLaunch`): the kernel report compiles them for a GPU it does not have
+(:mod:`hf_asymkv.kernels.sass`). Importing this module imports Triton.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from .regions import (
     MAX_EXACT_SEGMENTS,
+    MAX_TILE,
     MIN_TILE,
     ExactSegment,
     QuantizedRegion,
@@ -39,15 +43,23 @@ from .triton_decode import (
     partial_attention_kernel,
 )
 
-__all__ = ["LaunchConfig", "decode_attention", "launch_decode_attention"]
+__all__ = ["INTERPRETED", "KernelLaunch", "LaunchConfig", "decode_attention", "launch_decode_attention",
+           "pipeline_stages", "plan_decode_attention"]
 
+FAST_MAX_TILE = 128  # tokens per tile on the fast path: a key block of balanced and quality
+MERGE_ELEMENTS = 4096  # a merge program holds (splits x channels) of one row: at most this many floats
+MERGE_WARPS = 4
 PROGRAMS_PER_SM = 4  # splits aim at this many programs per streaming multiprocessor: enough to hide latency
 # Measured on one H200 (results/gpu/h200_tune, docs/gpu.md): with Triton's default of 3 pipeline stages the
 # 64-token tile of float32 queries needs 264 KiB of shared memory (the card has 227) and bf16 runs 1.2-1.9x slower
 # than the best of the sweep; 1 stage was fastest for 64-token tiles, 2 for 32-token tiles, both fit float32.
-_STAGES_BY_TILE = {64: 1, 32: 2}
+# 128-token tiles (the fast path's, quality and balanced; not measured on a GPU) take 1 stage like 64: with 2, the
+# exact segments' bf16 tiles ask 129 KiB of shared memory (results/gpu/kernel_report.md), over sm_89's 99 KiB.
+_STAGES_BY_TILE = {128: 1, 64: 1, 32: 2}
 INTERPRETER_PROGRAMS = 1  # on CPU tensors (the interpreter runs programs one by one): one split per region
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+INTERPRETED = not isinstance(partial_attention_kernel, JITFunction)
+"""Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when they were defined)."""
 
 
 def decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None = None,
@@ -87,6 +99,30 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     """:func:`decode_attention` for a request :func:`~hf_asymkv.kernels.regions.unsupported` has passed already
     (the core's glue checks once per call, to choose the backend): no second check on the decode step's path.
     ``launch`` overrides the launch settings (warps, pipeline stages, tile, programs per SM): for tuning."""
+    launches, out = plan_decode_attention(query, scaling, quantized=quantized, exact=exact,
+                                          attention_mask=attention_mask, kv_len=kv_len,
+                                          tiles_per_split=tiles_per_split, launch=launch)
+    for kernel_launch in launches:
+        kernel_launch.kernel[kernel_launch.grid](*kernel_launch.args, **kernel_launch.options)
+    return out
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch: ``kernel[grid](*args, **options)`` (``options``: the constexprs, ``num_warps``, ``num_stages``)."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    options: dict
+
+
+def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: QuantizedRegion | None,
+                          exact: tuple[ExactSegment, ...], attention_mask: torch.Tensor | None = None,
+                          kv_len: int | None = None, tiles_per_split: int | None = None,
+                          launch: LaunchConfig | None = None) -> tuple[tuple[KernelLaunch, ...], torch.Tensor]:
+    """The launches :func:`launch_decode_attention` makes, in order, and the ``[B, q, Hq, D]`` output the last one
+    writes (allocated, not yet written). Same arguments."""
     segments = tuple(seg for seg in exact if seg.tokens)
     quantized = quantized if quantized is not None and quantized.tokens else None
     regions = ([quantized] if quantized is not None else []) + list(segments)
@@ -97,7 +133,10 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     rows = hq // heads * q_len
     kv_len = max(r.start + r.tokens for r in regions) if kv_len is None else kv_len
     launch = launch or _DEFAULT_LAUNCH
-    tile = launch.tile_for(quantized)
+    d_pad, r_pad = _pow2(head_dim), _pow2(rows)
+    fast = quantized is not None and fast_path(quantized, d_pad)
+    tile = launch.tile_for(quantized, FAST_MAX_TILE if fast else MAX_TILE)
+    fast = fast and fast_path(quantized, d_pad, tile)
     counts = [-(-r.tokens // tile) for r in regions]
     if tiles_per_split is None:
         tiles_per_split = max(1, -(-sum(counts) * b * heads // _target_programs(query.device, launch)))
@@ -105,30 +144,34 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     n_splits = sum(splits)
     acc = torch.empty(b * heads, n_splits, rows, head_dim, dtype=torch.float32, device=query.device)
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
-    d_pad, r_pad = _pow2(head_dim), _pow2(rows)
     num_warps = launch.num_warps or (4 if d_pad * r_pad <= 4096 else 8)
     stages = launch.num_stages or pipeline_stages(tile)
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
-    quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query)
-    partial_attention_kernel[(b * heads, n_splits)](
+    quant_args, constants = _quant_args(quantized, attention_mask, q_len, hq, query, fast)
+    rotated = has_quant and quantized.values.rotated
+    block = head_dim & -head_dim
+    partial = KernelLaunch(partial_attention_kernel, (b * heads, n_splits), (
         query, *query.stride(), acc, m, l_,
         *quant_args, splits[0] if has_quant else 0,
         *exact_args[0][:-1], splits[1 if has_quant else 0] if segments else 0,
         *exact_args[1][:-1],
         tiles_per_split, n_splits, heads, hq // heads, q_len, kv_len, scaling * math.log2(math.e),
+        1 / math.sqrt(block)), dict(
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
-        num_warps=num_warps, num_stages=stages, **constants)
+        ASM=not INTERPRETED, QDOT=_code_dot_dtype(query), ROTATED=rotated, LOG2_BLOCK=block.bit_length() - 1,
+        num_warps=num_warps, num_stages=stages, **constants))
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
-    rotated = has_quant and quantized.values.rotated
-    block = head_dim & -head_dim
-    merge_partials_kernel[(b * heads,)](
-        acc, m, l_, out, *out.stride(), n_splits, splits[0] if rotated else 0, heads, hq // heads, q_len,
-        1 / math.sqrt(block), HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, LOG2_BLOCK=block.bit_length() - 1,
-        ROTATED=rotated, num_warps=num_warps)
-    return out
+    s_pad = max(2, _pow2(n_splits, least=1))
+    chunk = max(16, min(d_pad, MERGE_ELEMENTS // s_pad))
+    merge = KernelLaunch(merge_partials_kernel, (b * heads * rows, -(-head_dim // chunk)), (
+        acc, m, l_, out, *out.stride(), n_splits, heads, hq // heads, q_len), dict(
+        HEAD_DIM=head_dim, S_PAD=s_pad, CHUNK=chunk, num_warps=MERGE_WARPS))
+    return (partial, merge), out
+
+
 
 
 @dataclass(frozen=True)
@@ -139,10 +182,12 @@ class LaunchConfig:
     num_stages: int | None = None  # software-pipeline depth; default: pipeline_stages(tile)
     tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
+    sm_count: int | None = None  # streaming multiprocessors to fill; default: the device's (a card's, for the report)
 
-    def tile_for(self, quantized: QuantizedRegion | None) -> int:
-        """Tokens per tile for ``quantized``: the default, or the override if it fits a key scale group."""
-        default = tile_tokens(quantized)
+    def tile_for(self, quantized: QuantizedRegion | None, limit: int = MAX_TILE) -> int:
+        """Tokens per tile for ``quantized``: the default (at most ``limit``), or the override if it fits a key
+        scale group."""
+        default = tile_tokens(quantized, limit)
         if self.tile is None:
             return default
         if self.tile < MIN_TILE or self.tile & (self.tile - 1) or default % self.tile:
@@ -159,14 +204,22 @@ def pipeline_stages(tile: int) -> int:
     return _STAGES_BY_TILE.get(tile, 2)
 
 
-def _pow2(n: int) -> int:
-    """Block extent for ``n`` (a power of two >= 16: a matrix-product operand's least size)."""
-    return max(16, 1 << (n - 1).bit_length())
+def _pow2(n: int, least: int = 16) -> int:
+    """Block extent for ``n``: a power of two, at least ``least`` (16: a matrix-product operand's least size)."""
+    return max(least, 1 << (n - 1).bit_length())
 
 
 def _dot_dtype(query: torch.Tensor):
     # the interpreter multiplies bfloat16 as raw integers: keep its products in float32
-    return tl.float32 if query.device.type == "cpu" else _DOT_DTYPES[query.dtype]
+    return tl.float32 if INTERPRETED else _DOT_DTYPES[query.dtype]
+
+
+def _code_dot_dtype(query: torch.Tensor):
+    """Operand dtype of the products over codes on the fast path: float16 for half-precision queries (codes become
+    fp16 by bit operations, see :mod:`.triton_codes`; bfloat16's 8-bit mantissa cannot hold an 8-bit code), float32
+    for float32 queries. The interpreter multiplies float16 operands exactly and sums in float32, as the GPU does, so
+    the CPU tests run the GPU's roundings."""
+    return tl.float32 if query.dtype == torch.float32 else tl.float16
 
 
 @functools.lru_cache(maxsize=8)
@@ -175,9 +228,9 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _target_programs(device: torch.device, launch: LaunchConfig) -> int:
-    if device.type != "cuda":
+    if launch.sm_count is None and device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return (launch.programs_per_sm or PROGRAMS_PER_SM) * _sm_count(device)
+    return (launch.programs_per_sm or PROGRAMS_PER_SM) * (launch.sm_count or _sm_count(device))
 
 
 def _mask_args(mask: torch.Tensor | None, q_len: int, hq: int, fallback: torch.Tensor, start: int
@@ -214,13 +267,14 @@ def _exact_args(seg: ExactSegment | None, attention_mask, q_len: int, hq: int, d
 
 
 def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
-    """Pointer/stride arguments and constexprs of one quantized tensor (see ``_codes`` in the kernels)."""
-    codes, widths, block = stored.codes, (0, 0), 1
+    """Pointer/stride arguments and constexprs of one quantized tensor (see ``_codes`` in the kernels; ``FLIP`` and
+    the offset of int8 codes are what the fast path reads, :mod:`.triton_codes`)."""
+    codes, widths, block, flip = stored.codes, (0, 0), 1, 0
     if codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         kind = FP8_E4M3 if codes.dtype == torch.float8_e4m3fn else FP8_E5M2
         codes = codes.view(torch.uint8)
     elif stored.bits == 8:
-        kind = INT8
+        kind, flip = INT8, 0x80 if codes.dtype == torch.int8 else 0
     else:
         kind = PACKED_TOKENS if stored.layout == "tokens" else PACKED_HEAD_DIM
         widths = (*plane_sets(stored.bits), 0)[:2]
@@ -228,27 +282,48 @@ def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
     zero = stored.zero if stored.zero is not None else stored.scale
     offset = 2 ** (stored.bits - 1) if stored.bits < 8 and stored.symmetric else 0
     constants = dict(KIND=kind, W0=widths[0], W1=widths[1], OFFSET=offset, PB=block, TG=stored.token_group,
-                     CG=stored.channel_group, ZERO=stored.zero is not None)
+                     CG=stored.channel_group, ZERO=stored.zero is not None, FLIP=flip)
     args = [codes, *codes.stride(), stored.scale, zero, *stored.scale.stride()]
     return args, {f"{prefix}_{name}": value for name, value in constants.items()}
 
 
-def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: int, dummy: torch.Tensor
-                ) -> tuple[list, dict]:
-    """Arguments of the quantized-region slot (up to its split count) and every K_*/V_*/Q_MASK constexpr."""
+def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:
+    """Whether the kernel reads ``region`` on its fast path (:mod:`.triton_codes`): int8 or token-packed codes,
+    keys with one scale per channel (or per head) per block, values with one scale per token, blocks made of whole
+    tiles (``tile``, default the fast path's own), a power-of-two head_dim."""
+    keys, values = region.keys, region.values
+    tile = tile or tile_tokens(region, FAST_MAX_TILE)
+    if keys.head_dim != d_pad or keys.token_group % tile or keys.channel_group not in (1, keys.head_dim):
+        return False
+    if values.token_group != 1 or values.channel_group != values.head_dim:
+        return False
+    for stored in (keys, values):
+        if stored.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return False
+        if stored.bits < 8 and (stored.layout != "tokens" or stored.block_size % tile):
+            return False
+    return True
+
+
+def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: int, dummy: torch.Tensor,
+                fast: bool) -> tuple[list, dict]:
+    """Arguments of the quantized-region slot (up to its split count) and every K_*/V_*/Q_MASK/FAST constexpr."""
     if region is None:
         fake = StoredCodes(dummy.new_zeros(1, 1, 1, 1, dtype=torch.int8), dummy.new_zeros(1, 1, 1, 1), None, 8, True)
         keys, key_constants = _code_args(fake, "K")
         values, value_constants = _code_args(fake, "V")
         wide, wide_constants = _wide_args(fake, dummy)
         return ([*keys, *values, *wide, dummy, 0, 0, 0, 0, 0, 0],
-                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE})
+                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE, "FAST": False})
     keys, key_constants = _code_args(region.keys, "K")
     values, value_constants = _code_args(region.values, "V")
     wide, wide_constants = _wide_args(region.keys, dummy)
     mask, mode, column = _mask_args(_region_mask(region, attention_mask), q_len, hq, dummy, region.start)
+    if fast:  # flipped int8 codes read 128 above their value
+        key_constants["K_OFFSET"] += 128 if key_constants["K_FLIP"] else 0
+        value_constants["V_OFFSET"] += 128 if value_constants["V_FLIP"] else 0
     return ([*keys, *values, *wide, *mask, region.tokens, column],
-            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode})
+            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode, "FAST": fast})
 
 
 def _wide_args(keys: StoredCodes, dummy: torch.Tensor) -> tuple[list, dict]:
@@ -256,5 +331,5 @@ def _wide_args(keys: StoredCodes, dummy: torch.Tensor) -> tuple[list, dict]:
     if keys.wide_bits is None:
         return [dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0], dict(K_WIDE=0, K_WIDE_PAD=1, K_WIDE_BYTES=1)
     count = keys.wide_channels.shape[-1]
-    constants = dict(K_WIDE=count, K_WIDE_PAD=_pow2(count), K_WIDE_BYTES=keys.wide_bits.shape[-1])
+    constants = dict(K_WIDE=count, K_WIDE_PAD=_pow2(count), K_WIDE_BYTES=keys.wide_bits.shape[-1])  # >= 16: a product
     return [keys.wide_bits, *keys.wide_bits.stride(), keys.wide_channels, *keys.wide_channels.stride()], constants

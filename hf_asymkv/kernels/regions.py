@@ -117,13 +117,13 @@ def plane_sets(bits: int) -> tuple[int, ...]:
     return tuple(w for w in (4, 2, 1) if bits & w) if 8 % bits else (bits,)
 
 
-def tile_tokens(region: QuantizedRegion | None) -> int:
-    """Tokens per tile: at most :data:`MAX_TILE`, inside one key scale group (the largest power of two dividing
-    it), so that each tile folds one key scale into the query."""
+def tile_tokens(region: QuantizedRegion | None, limit: int = MAX_TILE) -> int:
+    """Tokens per tile: at most ``limit``, inside one key scale group (the largest power of two dividing it), so
+    that each tile folds one key scale into the query."""
     if region is None:
-        return MAX_TILE
+        return limit
     group = region.keys.token_group
-    return min(MAX_TILE, group & -group)
+    return min(limit, group & -group)
 
 
 def _codes_problem(kind: str, stored: StoredCodes, head_dim: int) -> str | None:

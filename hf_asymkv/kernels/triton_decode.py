@@ -7,8 +7,14 @@ Two kernels:
   program holds the query rows of every query head that shares its KV head, for every query position (``R =
   n_rep * q_len`` rows), runs an online softmax over its tiles and writes an unnormalized partial output with its
   row max and sum.
-- :func:`merge_partials_kernel`: one program per (batch row, KV head) merges the splits, rotates the quantized
-  part of rotated values back once (a fast Walsh-Hadamard transform in registers) and writes ``[B, q, Hq, D]``.
+- :func:`merge_partials_kernel`: one program per (query row, chunk of channels) merges the splits and writes
+  ``[B, q, Hq, D]``. A quantized split of rotated values rotates its own output back before writing it (a fast
+  Walsh-Hadamard transform in registers), so that the merge only sums.
+
+The quantized region takes :func:`~.triton_codes.fast_split` when its formats allow (every preset's: tiles of one key
+block, codes turned into operands by bit operations, see :mod:`.triton_codes`), else the generic
+:func:`_quant_split` below (fp8 keys, codes packed along head_dim, several value groups per token, head_dims that
+are not a power of two).
 
 Scores live in the log2 domain (the query is pre-multiplied by ``scaling * log2(e)``, masks by ``log2(e)``) so
 that the softmax uses ``exp2``. Everything accumulates in float32; matrix products take operands in ``DOT``
@@ -34,6 +40,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .triton_codes import fast_split, mask_bias, mma
 
 __all__ = ["merge_partials_kernel", "partial_attention_kernel"]
 
@@ -94,30 +102,9 @@ def _codes(ptr, tok, ch, s_t, s_d, valid, HEAD_DIM: tl.constexpr, KIND: tl.const
 
 
 @triton.jit
-def _mma(a, b, DOT: tl.constexpr):
-    """``a @ b`` with operands in ``DOT`` and a float32 result (exact float32 products for float32 operands)."""
-    if DOT == tl.float32:
-        return tl.dot(a.to(DOT), b.to(DOT), input_precision="ieee")
-    return tl.dot(a.to(DOT), b.to(DOT))
-
-
-@triton.jit
-def _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len, kv_len, MODE: tl.constexpr):
-    """Additive log2-domain bias ``[R, T]`` of the mask at (row's query head and position, column); -inf where
-    ``valid`` is false."""
-    if MODE == 0:
-        bias = tl.zeros(valid.shape, tl.float32)
-    elif MODE == 3:  # causal, bottom-right aligned: query i sees columns <= kv_len - q_len + i
-        bias = tl.where(col <= kv_len - q_len + qpos, 0.0, float("-inf"))
-    else:
-        ptrs = mask_ptr + b * sm_b + head * sm_h + qpos * sm_q + col * sm_k
-        m = tl.load(ptrs, mask=valid, other=0)
-        if MODE == 1:
-            bias = tl.where(m != 0, 0.0, float("-inf"))
-        else:
-            # clamped first: a dtype's lowest value (transformers' eager masks) would overflow to -inf times log2(e)
-            bias = tl.maximum(m.to(tl.float32), -1.0e38) * 1.4426950408889634
-    return tl.where(valid, bias, float("-inf"))
+def _product(a, b, DOT: tl.constexpr):
+    """``a @ b`` (float32 result), see :func:`~.triton_codes.mma`."""
+    return mma(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32), DOT)
 
 
 @triton.jit
@@ -149,14 +136,14 @@ def _exact_split(q, k_ptr, sk_b, sk_h, sk_t, sk_d, v_ptr, sv_b, sv_h, sv_t, sv_d
         tok_ok = tok < n
         kt = tl.load(k_base + tok[None, :] * sk_t + ch[:, None] * sk_d, mask=ch_ok[:, None] & tok_ok[None, :],
                      other=0.0)
-        scores = _mma(q, kt, DOT)
+        scores = _product(q, kt, DOT)
         valid = rows_ok[:, None] & tok_ok[None, :]
-        scores += _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
+        scores += mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
                              col0 + tok[None, :], valid, q_len, kv_len, MASK)
         p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
         v = tl.load(v_base + tok[:, None] * sv_t + ch[None, :] * sv_d, mask=tok_ok[:, None] & ch_ok[None, :],
                     other=0.0)
-        acc = acc * alpha[:, None] + _mma(p, v, DOT)
+        acc = mma(p, v, acc * alpha[:, None], DOT)
     return acc, m_i, l_i
 
 
@@ -192,7 +179,7 @@ def _key_scores(q, kc_base, skc_t, skc_d, ks_base, kz_base, sks_t, sks_d, kw_bas
                           WIDE_BYTES, 1 << (W0 + W1), OFFSET)
     meta = (t0 // TG) * sks_t + (ch // CG) * sks_d
     scale = tl.load(ks_base + meta, mask=ch_ok, other=0.0).to(tl.float32)
-    scores = _mma(q * scale[None, :], kt, DOT)
+    scores = _product(q * scale[None, :], kt, DOT)
     if ZERO:
         zero = tl.load(kz_base + meta, mask=ch_ok, other=0.0).to(tl.float32)
         scores += tl.sum(q * zero[None, :], 1)[:, None]
@@ -208,7 +195,7 @@ def _value_mix(p, vc_base, svc_t, svc_d, vs_base, vz_base, svs_t, svs_d, tok, ch
                    PB)
     if TG == 1 and CG == HEAD_DIM:  # one scale (and zero) per token: fold them into the weights
         scale = tl.load(vs_base + tok * svs_t).to(tl.float32)
-        mixed = _mma(p * scale[None, :], codes, DOT)
+        mixed = _product(p * scale[None, :], codes, DOT)
         if ZERO:
             mixed += tl.sum(p * tl.load(vz_base + tok * svs_t).to(tl.float32)[None, :], 1)[:, None]
         return mixed
@@ -216,7 +203,7 @@ def _value_mix(p, vc_base, svc_t, svc_d, vs_base, vz_base, svs_t, svs_d, tok, ch
     values = codes * tl.load(vs_base + meta, mask=ch_ok[None, :], other=0.0).to(tl.float32)
     if ZERO:
         values += tl.load(vz_base + meta, mask=ch_ok[None, :], other=0.0).to(tl.float32)
-    return _mma(p, values, DOT)
+    return _product(p, values, DOT)
 
 
 @triton.jit
@@ -247,7 +234,7 @@ def _quant_split(q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, s
                              kwc_base, skwc_n, skwc_r, t0, tok, ch, ch_ok, HEAD_DIM, DOT, K_KIND, K_W0, K_W1,
                              K_OFFSET, K_PB, K_TG, K_CG, K_ZERO, K_WIDE, K_WIDE_PAD, K_WIDE_BYTES)
         valid = rows_ok[:, None] & (tok[None, :] >= 0)
-        scores += _mask_tile(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
+        scores += mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
                              col0 + tok[None, :], valid, q_len, kv_len, MASK)
         p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i)
         mixed = _value_mix(p, vc_base, svc_t, svc_d, vs_base, vz_base, svs_t, svs_d, tok, ch, ch_ok, HEAD_DIM, DOT,
@@ -273,7 +260,7 @@ def partial_attention_kernel(
     a_n, a_col, a_splits,
     bk_ptr, sbk_b, sbk_h, sbk_t, sbk_d, bv_ptr, sbv_b, sbv_h, sbv_t, sbv_d, bm_ptr, sbm_b, sbm_h, sbm_q, sbm_k,
     b_n, b_col,
-    tiles_per_split, n_splits, heads_kv, n_rep, q_len, kv_len, qk_scale,
+    tiles_per_split, n_splits, heads_kv, n_rep, q_len, kv_len, qk_scale, unrotate_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
     HAS_QUANT: tl.constexpr, N_EXACT: tl.constexpr, Q_MASK: tl.constexpr, A_MASK: tl.constexpr,
     B_MASK: tl.constexpr,
@@ -282,10 +269,16 @@ def partial_attention_kernel(
     V_KIND: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_OFFSET: tl.constexpr, V_PB: tl.constexpr,
     V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
     K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr,
+    FAST: tl.constexpr, ASM: tl.constexpr, QDOT: tl.constexpr, K_FLIP: tl.constexpr, V_FLIP: tl.constexpr,
+    ROTATED: tl.constexpr, LOG2_BLOCK: tl.constexpr,
 ):
     """Grid ``(B * heads_kv, n_splits)``: splits ``[0, q_splits)`` cover the quantized region, the next
     ``a_splits`` exact segment 1, the rest exact segment 2. Writes ``acc`` ``[B * H, n_splits, R, D]`` and
-    ``m``, ``l`` ``[B * H, n_splits, R]`` (float32, ``R = n_rep * q_len``)."""
+    ``m``, ``l`` ``[B * H, n_splits, R]`` (float32, ``R = n_rep * q_len``). With ``FAST`` the quantized region takes
+    :func:`~.triton_codes.fast_split` (``K_*``/``V_*`` offsets and flips as it reads them), else
+    :func:`_quant_split`. With ``ROTATED`` a quantized split's output, mixed from values stored as ``V H``, is rotated
+    back before it is written, ``acc H^T`` with ``H = S * unrotate_scale``: every partial is then in the model's
+    basis and the merge only sums."""
     pid_bh, pid_s = tl.program_id(0), tl.program_id(1)
     b, h = (pid_bh // heads_kv).to(tl.int64), (pid_bh % heads_kv).to(tl.int64)  # offsets may pass 2**31
     r = tl.arange(0, R_PAD)
@@ -302,14 +295,28 @@ def partial_attention_kernel(
     if pid_s < q_splits:
         if HAS_QUANT:
             start = pid_s * span
-            acc, m_i, l_i = _quant_split(
-                q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
-                vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
-                kw_ptr, skw_b, skw_h, skw_t, skw_p, kwc_ptr, skwc_b, skwc_h, skwc_n, skwc_r,
-                qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, tl.minimum(start + span, q_n), b, h, heads, qpos,
-                rows_ok, q_len, kv_len, HEAD_DIM, D_PAD, R_PAD, TILE, Q_MASK, DOT,
-                K_KIND, K_W0, K_W1, K_OFFSET, K_PB, K_TG, K_CG, K_ZERO,
-                V_KIND, V_W0, V_W1, V_OFFSET, V_PB, V_TG, V_CG, V_ZERO, K_WIDE, K_WIDE_PAD, K_WIDE_BYTES)
+            stop = tl.minimum(start + span, q_n)
+            if FAST:
+                acc, m_i, l_i = fast_split(
+                    q, kc_ptr + b * skc_b + h * skc_h, skc_t, ks_ptr + b * sks_b + h * sks_h,
+                    kz_ptr + b * sks_b + h * sks_h, sks_t, sks_d, vc_ptr + b * svc_b + h * svc_h, svc_t,
+                    vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h, svs_t,
+                    kw_ptr + b * skw_b + h * skw_h, skw_t, skw_p, kwc_ptr + b * skwc_b + h * skwc_h, skwc_n, skwc_r,
+                    qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, stop, b, heads, qpos, rows_ok, q_len, kv_len,
+                    HEAD_DIM, R_PAD, TILE, Q_MASK, QDOT, ASM,
+                    K_KIND == 3, K_FLIP, K_W0, K_W1, K_PB, K_TG, K_CG, K_ZERO, K_OFFSET,
+                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD)
+            else:
+                acc, m_i, l_i = _quant_split(
+                    q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,
+                    vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
+                    kw_ptr, skw_b, skw_h, skw_t, skw_p, kwc_ptr, skwc_b, skwc_h, skwc_n, skwc_r,
+                    qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, stop, b, h, heads, qpos, rows_ok, q_len,
+                    kv_len, HEAD_DIM, D_PAD, R_PAD, TILE, Q_MASK, DOT,
+                    K_KIND, K_W0, K_W1, K_OFFSET, K_PB, K_TG, K_CG, K_ZERO,
+                    V_KIND, V_W0, V_W1, V_OFFSET, V_PB, V_TG, V_CG, V_ZERO, K_WIDE, K_WIDE_PAD, K_WIDE_BYTES)
+            if ROTATED:
+                acc = _unrotate(acc, ch, LOG2_BLOCK) * unrotate_scale
     elif pid_s < q_splits + a_splits:
         if N_EXACT >= 1:
             start = (pid_s - q_splits) * span
@@ -342,42 +349,27 @@ def _unrotate(x, ch, LOG2_BLOCK: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["n_splits", "rotated_splits", "q_len"])
-def merge_partials_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_q, so_h, so_d, n_splits, rotated_splits,
-                          heads_kv, n_rep, q_len, unrotate_scale, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          R_PAD: tl.constexpr, LOG2_BLOCK: tl.constexpr, ROTATED: tl.constexpr):
-    """Grid ``(B * heads_kv,)``: merge the splits of :func:`partial_attention_kernel` into ``out`` ``[B, q, Hq, D]``.
-
-    With ``ROTATED``, splits ``[0, rotated_splits)`` (0 otherwise) mixed values stored as ``V H``: their merged sum is rotated
-    back once, ``(sum) H^T`` with ``H = S * unrotate_scale``. Rows that see no token are written as 0.
-    """
-    pid = tl.program_id(0)
-    b, h = (pid // heads_kv).to(tl.int64), (pid % heads_kv).to(tl.int64)
-    r = tl.arange(0, R_PAD)
-    ch = tl.arange(0, D_PAD)
+@triton.jit(do_not_specialize=["n_splits", "q_len"])
+def merge_partials_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, so_b, so_q, so_h, so_d, n_splits, heads_kv, n_rep, q_len,
+                          HEAD_DIM: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid ``(B * heads_kv * R, cdiv(HEAD_DIM, CHUNK))``: one program per query row and ``CHUNK`` channels merges
+    that row's splits of :func:`partial_attention_kernel` (all ``S_PAD >= n_splits`` of them at once, no loop) into
+    ``out`` ``[B, q, Hq, D]``. Rows that see no token are written as 0."""
+    pid, pid_c = tl.program_id(0), tl.program_id(1)
     rows = n_rep * q_len
-    rows_ok = r < rows
-    tile_ok = rows_ok[:, None] & (ch[None, :] < HEAD_DIM)
-    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([R_PAD], tl.float32)
-    plain = tl.zeros([R_PAD, D_PAD], tl.float32)
-    rotated = tl.zeros([R_PAD, D_PAD], tl.float32)
-    for s in range(0, n_splits):
-        row_index = (pid * n_splits + s) * rows + r
-        m_s = tl.load(m_ptr + row_index, mask=rows_ok, other=float("-inf"))
-        l_s = tl.load(l_ptr + row_index, mask=rows_ok, other=0.0)
-        acc_s = tl.load(acc_ptr + row_index[:, None] * HEAD_DIM + ch[None, :], mask=tile_ok, other=0.0)
-        m_new = tl.maximum(m_i, m_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m_i - m_safe), tl.exp2(m_s - m_safe)
-        l_i = l_i * alpha + l_s * beta
-        in_rotated = s < rotated_splits
-        plain = plain * alpha[:, None] + tl.where(in_rotated, 0.0, acc_s * beta[:, None])
-        rotated = rotated * alpha[:, None] + tl.where(in_rotated, acc_s * beta[:, None], 0.0)
-        m_i = m_new
-    if ROTATED:
-        plain += _unrotate(rotated, ch, LOG2_BLOCK) * unrotate_scale
-    out = plain / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    qpos, heads = r % q_len, h * n_rep + r // q_len
-    out_ptrs = out_ptr + b * so_b + qpos[:, None] * so_q + heads[:, None] * so_h + ch[None, :] * so_d
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    bh, r = pid // rows, pid % rows
+    b, h = (bh // heads_kv).to(tl.int64), bh % heads_kv
+    s = tl.arange(0, S_PAD)
+    s_ok = s < n_splits
+    c = pid_c * CHUNK + tl.arange(0, CHUNK)
+    c_ok = c < HEAD_DIM
+    row_index = (bh * n_splits + s) * rows + r
+    m_s = tl.load(m_ptr + row_index, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(l_ptr + row_index, mask=s_ok, other=0.0)
+    m = tl.max(m_s, 0)
+    weight = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    total = tl.sum(l_s * weight, 0)
+    acc = tl.load(acc_ptr + row_index[:, None] * HEAD_DIM + c[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    qpos, head = r % q_len, h * n_rep + r // q_len
+    tl.store(out_ptr + b * so_b + qpos * so_q + head * so_h + c * so_d, out.to(out_ptr.dtype.element_ty), mask=c_ok)

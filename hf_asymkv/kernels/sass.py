@@ -1,0 +1,180 @@
+"""The compiled decode kernels read without a GPU: compile a launch for a CUDA card, disassemble it, count what its
+main loop issues (``scripts/kernel_report.py``, and the CI guards in ``tests/kernels/test_kernel_report.py``).
+
+Triton compiles for any CUDA target on a CPU-only machine: its JIT asks the active driver only for the target, so a
+stub driver that answers ``("cuda", capability)`` (:func:`cuda_target`) makes ``kernel.warmup(...)`` compile exactly
+what a launch with the same arguments would compile on that card (capability 90 is compiled as ``sm_90a``). The
+wheel ships NVIDIA's ``cuobjdump``: the SASS (:func:`disassemble`) and the resource usage (registers, local memory,
+static shared memory). The main loop of a kernel is the body of its largest backward branch (:func:`main_loop`): in
+the partial-attention kernel, the tile loop over the quantized region.
+
+Imports Triton when called, nothing else of the package. Kernels must have been defined without
+``TRITON_INTERPRET=1`` (the report runs in a process of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ARCHES", "CLASSES", "SHARED_LIMIT_BYTES", "CompiledStats", "classify", "compile_launch", "cuda_target",
+           "disassemble", "instructions", "main_loop", "REGISTER_CAP", "resource", "stats"]
+
+ARCHES = {"sm_90a": 90, "sm_89": 89, "sm_80": 80}
+"""Targets of the report: H100/H200, RTX 4090/L40, A100."""
+SHARED_LIMIT_BYTES = {90: 227 * 1024, 89: 99 * 1024, 80: 163 * 1024}
+"""Shared memory one block may use (opt-in maximum, CUDA C++ Programming Guide, "Technical Specifications per
+Compute Capability"); a launch asking more fails."""
+REGISTER_CAP = 255
+"""Registers one thread may use on every target here: a kernel at the cap spills or is about to."""
+CLASSES = ("global", "conversion", "integer", "float", "mma", "shared_sync", "other")
+
+# SASS opcodes by class (the opcode before its first '.'; uniform-datapath forms, U + opcode, count as their class)
+_CLASS_OF = {
+    "global": "LDG STG LDGSTS LD ST ATOM ATOMG RED UTMALDG UTMASTG UBLKCP",
+    "conversion": "I2F F2I F2F I2FP F2FP I2I I2IP F2IP FRND",
+    "integer": ("IADD3 IADD IADD32I IMAD IMUL IMNMX IABS LOP3 LOP LOP32I SHF SHL SHR LEA PRMT ISETP SEL POPC FLO "
+                "BREV BMSK SGXT VIADD VIADDMNMX VIMNMX IDP IDP4A BFE BFI ISCADD XMAD"),
+    "float": ("FADD FADD32I FMUL FMUL32I FFMA FFMA32I FMNMX FSETP FSET FSEL MUFU FCHK FSWZADD HADD2 HMUL2 HFMA2 "
+              "HMNMX2 HSETP2 HSET2 DADD DMUL DFMA"),
+    "mma": "HMMA IMMA HGMMA IGMMA QGMMA BMMA DMMA",
+    "shared_sync": "LDS LDSM STS STSM ATOMS BAR SHFL DEPBAR LDGDEPBAR MEMBAR SYNCS ARRIVES WARPSYNC FENCE",
+}
+_OPCODE_CLASS = {op: kind for kind, ops in _CLASS_OF.items() for op in ops.split()}
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)")
+
+
+def classify(instruction: str) -> str:
+    """The class (one of :data:`CLASSES`) of one SASS instruction, e.g. ``"@P0 LDG.E.128 R4, desc[UR4][R2.64]"``."""
+    opcode = instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]
+    base = opcode.split(".")[0]
+    kind = _OPCODE_CLASS.get(base)
+    if kind is None and base.startswith("U"):
+        kind = _OPCODE_CLASS.get(base[1:])
+    return kind or "other"
+
+
+@contextlib.contextmanager
+def cuda_target(capability: int) -> Iterator[None]:
+    """Within the block, Triton's JIT compiles for CUDA compute capability ``capability`` (the active driver is a
+    stub that answers that target and a device id of its own, so that each target keeps its own compiled kernels)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class StubDriver:
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+        def get_current_device(self):
+            return f"report-sm{capability}"
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    try:
+        previous = driver.active
+    except RuntimeError:  # no GPU driver here (the usual case): nothing to restore
+        previous = None
+    driver.set_active(StubDriver())
+    try:
+        yield
+    finally:
+        if previous is not None:
+            driver.set_active(previous)
+
+
+def compile_launch(kernel, grid, args, options):
+    """Compile ``kernel[grid](*args, **options)`` for the current target (see :func:`cuda_target`) without launching:
+    Triton's ``CompiledKernel`` (``.asm["cubin"]``, ``.metadata``)."""
+    return kernel.warmup(*args, grid=grid, **options)
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        done = subprocess.run([knobs.nvidia.cuobjdump.path, flag, str(path)], capture_output=True, text=True,
+                              check=True)
+    return done.stdout
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin (``cuobjdump -sass``)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """``(address, instruction)`` of every instruction of a disassembly, in address order."""
+    found = []
+    for line in sass.splitlines():
+        match = _LINE.match(line)
+        if match:
+            found.append((int(match.group(1), 16), match.group(2)))
+    return found
+
+
+def main_loop(sass: str) -> list[str]:
+    """The instructions of the largest loop: from the target of a backward branch to the branch itself (an inner loop
+    is counted once). Empty when the kernel has no loop."""
+    listing = instructions(sass)
+    best: tuple[int, int] | None = None
+    for address, text in listing:
+        match = _BRANCH.match(text)
+        if match and int(match.group(1), 16) <= address:
+            span = (int(match.group(1), 16), address)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    if best is None:
+        return []
+    return [text for address, text in listing if best[0] <= address <= best[1]]
+
+
+@dataclass(frozen=True)
+class CompiledStats:
+    """What one compiled kernel uses and issues.
+
+    Attributes:
+        registers: per thread; local_bytes: local memory and stack per thread (spills, or arrays the compiler could
+            not keep in registers); spill_instructions: local loads and stores (``LDL``/``STL``) anywhere in the kernel;
+        shared_bytes: static + dynamic shared memory per block (what a launch asks for);
+        num_warps: warps per program; loop: the main loop's instruction count by class (:data:`CLASSES`).
+    """
+
+    registers: int
+    local_bytes: int
+    spill_instructions: int
+    shared_bytes: int
+    num_warps: int
+    loop: dict[str, int]
+
+    @property
+    def loop_instructions(self) -> int:
+        return sum(self.loop.values())
+
+
+def resource(usage: str, name: str) -> int:
+    """The value of ``NAME:value`` in ``cuobjdump --dump-resource-usage`` output (0 when absent)."""
+    match = re.search(rf"\b{name}:(\d+)", usage)
+    return int(match.group(1)) if match else 0
+
+
+def stats(compiled) -> CompiledStats:
+    """:class:`CompiledStats` of a ``CompiledKernel`` (from :func:`compile_launch`)."""
+    cubin = compiled.asm["cubin"]
+    usage = _cuobjdump(cubin, "--dump-resource-usage")
+    sass = disassemble(cubin)
+    spills = sum(1 for _, text in instructions(sass) if classify(text) == "other" and re.search(r"\b(LDL|STL)\b", text))
+    loop = Counter(classify(text) for text in main_loop(sass))
+    return CompiledStats(registers=resource(usage, "REG"),
+                         local_bytes=resource(usage, "LOCAL") + resource(usage, "STACK"), spill_instructions=spills,
+                         shared_bytes=resource(usage, "SHARED") + int(compiled.metadata.shared),
+                         num_warps=int(compiled.metadata.num_warps), loop={kind: loop.get(kind, 0) for kind in CLASSES})

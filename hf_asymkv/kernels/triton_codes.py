@@ -1,0 +1,259 @@
+"""The decode attention's fast path over stored codes (issue 37): codes become matrix-product operands by bit
+operations, so that a tile issues few instructions per byte it reads.
+
+**Magic-number conversion.** A code field ``f`` (at most 8 bits, at its bit position in its byte) ORed into the low
+byte of the fp16 constant ``0x6400`` (1024.0, whose mantissa step is 1) reads as ``1024 + f``: no integer-to-float
+conversion is issued (those run at a quarter of the integer rate, or less). :func:`magic_fp16` does it for each
+byte, plainly (integer ops on 16-bit lanes, then a bitcast: what the interpreter tests run) or, with ``ASM``, by one
+``lop3`` and two ``prmt`` per four bytes (:data:`MAGIC_ASM`, the same arithmetic; tests/kernels/test_magic_asm.py
+runs the PTX against the plain form). The 1024 is removed once per tile on the product's other side: a row sum of
+the query (keys) or of the weights (values), taken over the operand exactly as rounded for the product.
+
+**Fields in place.** A token-packed block of ``PB`` tokens stores a plane set of width ``W`` as ``PB * W / 8`` byte
+rows; token ``t`` of the block sits in row ``t % rows`` at bit ``W * (t // rows)``. A tile gathers, for each of its
+tokens, that byte (a byte shared by ``8 / W`` tokens is loaded that many times: the loads hit the cache, and each
+load instruction moves 16 bytes) and masks the field where it lies, so the operand holds ``1024 + f * 2**shift``;
+the factor ``2**-shift`` is one number per token, folded into the scores (keys) or the weights (values). Codes of
+two plane sets (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits) take one product per plane set. 8-bit codes are their own
+field (int8 codes flipped to offset binary by ``^ 0x80``).
+
+**One tile per key block.** A tile holds the tokens of one key scale group (or a power-of-two part of it): the
+per-channel scale is folded into the query once per tile, ``(q * s) . c``, and the wide channels of compact keys
+(:mod:`hf_asymkv.core.wide`) are one small product per tile, their query columns gathered once.
+
+Values carry one scale and zero per token: ``sum_t p_t (s_t c_t + z_t)`` is ``w . X`` with ``w = p * s * 2**-shift``
+(rounded to the operand dtype), minus ``1024 * sum(w)``, plus ``sum_t p_t (z_t - offset * s_t)``: a per-row number
+kept beside the accumulator and added once at the end.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["MAGIC_ASM", "fast_split", "magic_fp16", "mask_bias", "mma"]
+
+MAGIC_ASM = tl.constexpr(
+    "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0x6a; prmt.b32 $0, t, 0x64646464, 0x5140; "
+    "prmt.b32 $1, t, 0x64646464, 0x7362; }")
+"""Four bytes at a time: ``t = (codes & mask) ^ flip`` (lop3 LUT 0x6a), then bytes 0, 1 and 2, 3 of ``t`` each under a
+0x64 high byte (prmt): two registers of two fp16 ``1024 + t_i``. Equal to the plain form of :func:`magic_fp16` when
+``flip & ~mask == 0``."""
+MAGIC_SUB_ASM = tl.constexpr(
+    "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0x6a; prmt.b32 $0, t, 0x64646464, 0x5140; "
+    "prmt.b32 $1, t, 0x64646464, 0x7362; sub.f16x2 $0, $0, $5; sub.f16x2 $1, $1, $6; }")
+""":data:`MAGIC_ASM`, then the magic constant (or more) taken off in fp16 pairs: exact small integers."""
+MAGIC = tl.constexpr(1024.0)  # the fp16 constant 0x6400
+
+
+@triton.jit
+def magic_fp16(codes, mask, flip, ASM: tl.constexpr):
+    """fp16 ``1024 + ((codes & mask) ^ flip)`` of uint8 ``codes`` (``mask``, ``flip``: uint8, broadcast to ``codes``;
+    ``flip`` within ``mask``)."""
+    if ASM:
+        return tl.inline_asm_elementwise(MAGIC_ASM, "=r,=r,r,r,r", [codes, mask, flip], dtype=tl.float16,
+                                         is_pure=True, pack=4)
+    return (((codes & mask) ^ flip).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def exact_fp16(codes, mask, flip, offset, ASM: tl.constexpr):
+    """:func:`magic_fp16` minus ``offset`` (an fp16 tensor, broadcast), in fp16: ``((codes & mask) ^ flip) + 1024 -
+    offset``, exact for the integers involved."""
+    if ASM:
+        return tl.inline_asm_elementwise(MAGIC_SUB_ASM, "=r,=r,r,r,r,r,r", [codes, mask, flip, offset],
+                                         dtype=tl.float16, is_pure=True, pack=4)
+    return magic_fp16(codes, mask, flip, False) - offset
+
+
+@triton.jit
+def _pow2(exponent):
+    """``2.0 ** exponent`` (float32) of an integer tensor in [-126, 127], by placing it in the exponent field."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _field_operand(base, tb, cols, s_t, ASM: tl.constexpr, WIDTH: tl.constexpr, START: tl.constexpr,
+                   PB: tl.constexpr, HEAD_DIM: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
+                   EXACT: tl.constexpr = False):
+    """``(operand [T, C] fp16, shift [T])``: each token's ``WIDTH``-bit field of one plane set (or its 8-bit code),
+    as ``1024 + field * 2**shift``. ``base``: the block's first byte (token-packed) or the tile's first token's row;
+    ``tb``: the tile's tokens, in the block (packed) or from ``base`` (8-bit); ``cols``: the channels."""
+    if PACKED:
+        rows: tl.constexpr = PB * WIDTH // 8
+        shift = (tb // rows) * WIDTH
+        codes = tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :])
+        mask = (((1 << WIDTH) - 1) << shift).to(tl.uint8)[:, None]
+        return magic_fp16(codes, mask, tl.zeros_like(mask), ASM), shift
+    codes = tl.load(base + tb[:, None] * s_t + cols[None, :]).to(tl.uint8, bitcast=True)
+    flip = tl.full([1, 1], FLIP, tl.uint8)
+    if EXACT:
+        offset = tl.full([1, 1], 1024.0 + FLIP, tl.float16)
+        return exact_fp16(codes, tl.full([1, 1], 255, tl.uint8), flip, offset, ASM), tl.zeros_like(tb)
+    return magic_fp16(codes, tl.full([1, 1], 255, tl.uint8), flip, ASM), tl.zeros_like(tb)
+
+
+@triton.jit
+def mma(a, b, acc, DOT: tl.constexpr):
+    """``acc + a @ b`` with operands in ``DOT`` and a float32 result (exact float32 products for float32 operands)."""
+    if DOT == tl.float32:
+        return tl.dot(a.to(DOT), b.to(DOT), acc, input_precision="ieee")
+    return tl.dot(a.to(DOT), b.to(DOT), acc)
+
+
+@triton.jit
+def _dot(a, b, QDOT: tl.constexpr):
+    return mma(a, b, tl.zeros([a.shape[0], b.shape[1]], tl.float32), QDOT)
+
+
+@triton.jit
+def mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len, kv_len, MODE: tl.constexpr):
+    """Additive log2-domain bias ``[R, T]`` of the mask at (row's query head and position, column); -inf where
+    ``valid`` is false. Modes: 0 none, 1 bool, 2 additive, 3 causal (bottom-right aligned)."""
+    if MODE == 0:
+        bias = tl.zeros(valid.shape, tl.float32)
+    elif MODE == 3:  # causal, bottom-right aligned: query i sees columns <= kv_len - q_len + i
+        bias = tl.where(col <= kv_len - q_len + qpos, 0.0, float("-inf"))
+    else:
+        ptrs = mask_ptr + b * sm_b + head * sm_h + qpos * sm_q + col * sm_k
+        m = tl.load(ptrs, mask=valid, other=0)
+        if MODE == 1:
+            bias = tl.where(m != 0, 0.0, float("-inf"))
+        else:
+            # clamped first: a dtype's lowest value (transformers' eager masks) would overflow to -inf times log2(e)
+            bias = tl.maximum(m.to(tl.float32), -1.0e38) * 1.4426950408889634
+    return tl.where(valid, bias, float("-inf"))
+
+
+@triton.jit
+def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr):
+    """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes:
+    plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums of ``qs`` as rounded for
+    the product."""
+    if not PACKED:  # 8-bit codes: exact operands (the flipped code's offset taken off in fp16), no row sum needed
+        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
+        return _dot(qs, tl.trans(x), QDOT)
+    x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
+    raw = _dot(qs, tl.trans(x), QDOT)
+    scores = (raw - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
+    if W1 > 0:
+        start: tl.constexpr = PB * W0 // 8
+        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
+        scores += (_dot(qs, tl.trans(x), QDOT) - MAGIC * sq[:, None]) * _pow2(W0 - shift)[None, :]
+    return scores
+
+
+@triton.jit
+def _wide_scores(qs32, kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok, ASM: tl.constexpr,
+                 QDOT: tl.constexpr, TG: tl.constexpr, BITS: tl.constexpr, WIDE: tl.constexpr,
+                 WIDE_PAD: tl.constexpr, SYMMETRIC: tl.constexpr):
+    """``(scores [R, T], row constant [R])``: what the block's wide channels' high bits add to the scores,
+    ``sum_j qs[r, ch_j] * (2**BITS * high[t, j] - offset)`` (``offset`` ``2**(BITS - 1)`` for symmetric codes). One
+    product over the ``WIDE`` slots (padded to ``WIDE_PAD`` >= 16), the query's columns gathered once; slot ``j``'s
+    bit is bit ``j % 8`` of byte ``j // 8``, and its ``2**(j % 8)`` is folded into the gathered query."""
+    slot = tl.arange(0, WIDE_PAD)
+    used = slot < WIDE
+    chosen = tl.load(kwc_base + (t0 // TG) * skwc_n + slot * skwc_r, mask=used, other=0).to(tl.int32)
+    picked = tl.gather(qs32, tl.broadcast_to(chosen[None, :], [qs32.shape[0], WIDE_PAD]), axis=1)
+    picked = tl.where(used[None, :], picked, 0.0)
+    qw = (picked * _pow2(BITS - slot % 8)[None, :]).to(QDOT)
+    codes = tl.load(kw_base + tok[:, None] * skw_t + (slot // 8)[None, :] * skw_p, mask=used[None, :], other=0)
+    bit = (1 << (slot % 8)).to(tl.uint8)[None, :]
+    x = magic_fp16(codes, bit, tl.zeros_like(bit), ASM)
+    scores = _dot(qw, tl.trans(x), QDOT) - MAGIC * tl.sum(qw.to(tl.float32), 1)[:, None]
+    if SYMMETRIC:
+        return scores, -(2.0 ** (BITS - 1)) * tl.sum(picked, 1)
+    return scores, tl.zeros([qs32.shape[0]], tl.float32)
+
+
+@triton.jit
+def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr):
+    """``(acc + w . X, sum of the rounded weights' magic share)`` for the tile's value codes: ``w = p * scale *
+    2**-shift`` per plane set (rounded to ``QDOT``), ``X`` the plane set's ``1024 + field * 2**shift``. Returns the
+    new accumulator and ``-1024 * sum_t w`` per row (to add to the row's constant)."""
+    x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
+    weights = p * vs[None, :]
+    if PACKED:
+        w = (weights * _pow2(-shift)[None, :]).to(QDOT)
+    else:
+        w = weights.to(QDOT)
+    acc = mma(w, x, acc, QDOT)
+    magic = tl.sum(w.to(tl.float32), 1)
+    if W1 > 0:
+        start: tl.constexpr = PB * W0 // 8
+        x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
+        w = (weights * _pow2(W0 - shift)[None, :]).to(QDOT)
+        acc = mma(w, x, acc, QDOT)
+        magic += tl.sum(w.to(tl.float32), 1)
+    return acc, -MAGIC * magic
+
+
+@triton.jit
+def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t, vs_base, vz_base, svs_t,
+               kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, mask_ptr, sm_b, sm_h, sm_q, sm_k,
+               col0, t_start, t_stop, b, heads, qpos, rows_ok, q_len, kv_len,
+               HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, MASK: tl.constexpr,
+               QDOT: tl.constexpr, ASM: tl.constexpr,
+               K_PACKED: tl.constexpr, K_FLIP: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
+               K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
+               K_OFFSET: tl.constexpr, V_PACKED: tl.constexpr, V_FLIP: tl.constexpr, V_W0: tl.constexpr,
+               V_W1: tl.constexpr, V_PB: tl.constexpr, V_ZERO: tl.constexpr, V_OFFSET: tl.constexpr,
+               K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr):
+    """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles, ``TILE`` dividing the key scale group
+    ``K_TG`` and the packing blocks): ``(acc [R, D], m [R], l [R])`` (the values' per-row constant already added).
+
+    Code offsets (``K_OFFSET``, ``V_OFFSET``): what to subtract from the stored unsigned code to get the code the scale
+    multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0)."""
+    ch = tl.arange(0, HEAD_DIM)
+    tok = tl.arange(0, TILE)
+    m_i = tl.full([R_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([R_PAD], tl.float32)
+    z_i = tl.zeros([R_PAD], tl.float32)  # the values' per-row constant, beside acc
+    acc = tl.zeros([R_PAD, HEAD_DIM], tl.float32)
+    q_dot = q.to(QDOT)  # the scale multiplies in the operand dtype (fp16 pairs on a GPU): one rounding less to pay
+    for t0 in range(t_start, t_stop, TILE):
+        meta = (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d
+        qs = q_dot * tl.load(ks_base + meta).to(QDOT)[None, :]
+        if K_PACKED:
+            sq = tl.sum(qs.to(tl.float32), 1)
+            const = -K_OFFSET * sq  # the true scores are scores + const
+        else:
+            sq = tl.zeros([R_PAD], tl.float32)  # 8-bit codes are exact operands: nothing to take off
+            const = tl.zeros([R_PAD], tl.float32)
+        if K_ZERO:
+            const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
+        if K_PACKED:
+            scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
+                                 HEAD_DIM, K_W0, K_W1, K_PB, 0, True)
+        else:
+            scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
+                                 False)
+        if K_WIDE > 0:
+            wide, wide_const = _wide_scores(qs.to(tl.float32), kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, t0 + tok, ASM,
+                                            QDOT, K_TG, K_W0 + K_W1, K_WIDE, K_WIDE_PAD, K_OFFSET > 0)
+            scores += wide
+            const += wide_const
+        if MASK != 0:
+            valid = rows_ok[:, None] & (tok >= 0)[None, :]
+            scores += mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
+                                col0 + t0 + tok[None, :], valid, q_len, kv_len, MASK)
+        m_new = tl.maximum(m_i, tl.max(scores, 1) + const)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - (m_safe - const)[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
+        if V_PACKED:
+            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % V_PB) * svc_t, t0 % V_PB + tok,
+                                         ch, svc_t, vs, ASM, QDOT, HEAD_DIM, V_W0, V_W1, V_PB, 0, True)
+        else:
+            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + t0 * svc_t, tok, ch, svc_t, vs, ASM, QDOT,
+                                         HEAD_DIM, 8, 0, 1, V_FLIP, False)
+        zero = -V_OFFSET * vs
+        if V_ZERO:
+            zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
+        z_i = z_i * alpha + magic + tl.sum(p * zero[None, :], 1)
+    return acc + z_i[:, None], m_i, l_i

@@ -1,0 +1,101 @@
+"""CI guards on the compiled decode kernels (issue 37), without a GPU: a fresh compile for the card (through
+``scripts/kernel_report.py``, in a process of its own: the other kernel tests run the kernels under the interpreter)
+must not spill, must stay under the register cap, must fit the card's shared memory, and must not issue more
+main-loop warp instructions per K/V byte than the committed figure (results/gpu/kernel_guard.json, per Triton
+version; rewritten by ``scripts/kernel_report.py --guard-into``).
+
+What is compiled, one configuration per test (so that pytest-xdist spreads them; each compile starts from an empty
+Triton cache):
+- every preset at issue 37's goal shapes (sm_90a, bf16, head_dim 128, GQA 4, 1 query token);
+- on sm_89, the card with the least shared memory (99 KiB), the launch that asks the most of it at those shapes: the
+  128-token tiles of ``balanced`` (the fast path's largest; with 2 pipeline stages it asked 129 KiB).
+
+Not guarded (they do not fit, before the rewrite and after: results/gpu/kernel_report_before.md): the largest shapes
+the launcher accepts, head_dim 256 with 128 query rows (float32 on sm_90a, bf16 on sm_89).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+GUARD = ROOT / "results" / "gpu" / "kernel_guard.json"
+REPORT = ROOT / "results" / "gpu" / "kernel_report.json"  # the committed report: spills and conversions as measured
+CONTEXT = 1024  # the code compiled does not depend on it (kernel_report.py); a short cache builds fast
+OTHER_TRITON_SLACK = 1.10  # a Triton release without committed figures: the newest release's, 10% slack
+GOAL_SHAPE = "bf16-d128-gqa4-q1"
+PRESETS = ("quality", "balanced", "lean", "compact", "tight", "max")
+GOALS = [f"{preset}-{GOAL_SHAPE}-sm_90a" for preset in PRESETS]
+SHARED = [f"balanced-{GOAL_SHAPE}-sm_89"]
+CONVERSION_GUARDED = ("balanced", "lean")  # int8 and int4 codes: issue 37 asks <= 0.01 conversions per byte
+# Known, committed (kernel_report.md): balanced spills 16 B (9 LDL/STL) on sm_90a and lean issues 0.011 conversions
+# per byte; the guards hold them at most there (no regression) until the kernel removes them.
+
+
+def _compile(name: str, out: Path) -> dict:
+    """The report row of configuration ``name``, compiled now."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(out / "triton-cache")  # an empty cache: compile, do not look up
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_report.py"), "--configs", name, "--context",
+                           str(CONTEXT), "--out", str(out), "--quiet"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"kernel_report.py failed on {name}:\n{done.stderr[-3000:]}"
+    return json.loads((out / "kernel_report.json").read_text())["rows"][0]
+
+
+def _committed_figure(name: str, version: str) -> float:
+    figures = json.loads(GUARD.read_text())["figures"]
+    if version in figures:
+        return figures[version][name]
+    newest = max(figures, key=lambda v: tuple(int(p) for p in v.split(".")[:3] if p.isdigit()))
+    warnings.warn(f"no committed figures for Triton {version}; comparing with Triton {newest}'s (+10%)", stacklevel=2)
+    return figures[newest][name] * OTHER_TRITON_SLACK
+
+
+def _committed_row(name: str) -> dict | None:
+    return next((r for r in json.loads(REPORT.read_text())["rows"] if r["name"] == name), None)
+
+
+def _check_resources(row: dict) -> None:
+    from hf_asymkv.kernels.sass import REGISTER_CAP
+
+    name = row["name"]
+    was = _committed_row(name) or {"local_bytes": 0, "spill_instructions": 0}
+    assert row["local_bytes"] <= was["local_bytes"] and row["spill_instructions"] <= was["spill_instructions"], \
+        f"{name} spills: {row['local_bytes']} B, {row['spill_instructions']} LDL/STL"
+    assert (row["merge"]["local_bytes"], row["merge"]["spill_instructions"]) == (0, 0), f"{name}: the merge spills"
+    assert row["registers"] < REGISTER_CAP, f"{name}: {row['registers']} registers"
+    for kernel, used in (("partial", row["shared_bytes"]), ("merge", row["merge"]["shared_bytes"])):
+        assert used <= row["shared_limit"], f"{name}: the {kernel} kernel asks {used} B > {row['shared_limit']} B"
+
+
+@pytest.mark.parametrize("name", GOALS, ids=PRESETS)
+def test_goal_shapes_within_committed_instructions(name, tmp_path):
+    import triton
+
+    row = _compile(name, tmp_path)
+    _check_resources(row)
+    committed = _committed_figure(name, triton.__version__)
+    assert row["per_byte"] <= committed + 1e-4, f"{name}: {row['per_byte']:.4f} warp instr/byte > {committed:.4f}"
+    if row["preset"] in CONVERSION_GUARDED:
+        bound = max(0.01, _committed_row(name)["per_byte_by_class"]["conversion"])
+        assert row["per_byte_by_class"]["conversion"] <= bound + 1e-5, f"{name}: {row['per_byte_by_class']['conversion']:.4f}"
+
+
+@pytest.mark.parametrize("name", SHARED, ids=[n.split("-")[0] for n in SHARED])
+def test_largest_tiles_fit_sm_89(name, tmp_path):
+    _check_resources(_compile(name, tmp_path))
+
+
+def test_guard_file_names_every_goal():
+    figures = json.loads(GUARD.read_text())["figures"]
+    for version, by_name in figures.items():
+        assert set(GOALS) <= set(by_name), f"Triton {version}: no figure for {sorted(set(GOALS) - set(by_name))}"

@@ -1,0 +1,67 @@
+"""Reading a disassembly (hf_asymkv.kernels.sass) on hand-written SASS: classes, the main loop, resources."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_asymkv.kernels import sass
+
+# a kernel with a short loop (0x0040..0x0090) inside a longer one (0x0020..0x00c0), and a forward branch
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;       /* 0x0000000402047981 */
+        /*0030*/                   LOP3.LUT R8, R4, 0xf000f, RZ, 0xc0, !PT ; /* 0x000f000f04087812 */
+        /*0040*/                   PRMT R9, R5, 0x7632, R9 ;             /* 0x0000763205097816 */
+        /*0050*/                   HMMA.16816.F32 R12, R8, R10, R12 ;     /* 0x0000000a080c723c */
+        /*0060*/                   F2FP.F16.F32.PACK_AB R9, R13, R12 ;    /* 0x0000000c0d09723e */
+        /*0070*/               @P1 BRA 0xb0 ;                             /* 0x0000000000001947 */
+        /*0080*/                   LDSM.16.M88.4 R16, [R3] ;              /* 0x000000000310783b */
+        /*0090*/              @!P0 BRA 0x40 ;                             /* 0xffffffa000008947 */
+        /*00a0*/                   FFMA R6, R7, R8, R6 ;                  /* 0x0000000807067223 */
+        /*00b0*/                   UIADD3 UR4, UR4, 0x1, URZ ;           /* 0x0000000104047890 */
+        /*00c0*/               @P2 BRA 0x20 ;                             /* 0xffffff5000002947 */
+        /*00d0*/                   STL [R1], R6 ;                         /* 0x0000000601007387 */
+        /*00e0*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+CLASSES = {"LDG.E.128 R4, desc[UR4][R2.64]": "global", "@P0 LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]": "global",
+           "I2F.F16 R1, R2": "conversion", "F2FP.BF16.F32.PACK_AB R1, R2, R3": "conversion",
+           "LOP3.LUT R8, R4, 0xf000f, RZ, 0xc0, !PT": "integer", "UIADD3 UR4, UR4, 0x1, URZ": "integer",
+           "@!P2 IMAD.MOV.U32 R1, RZ, RZ, R2": "integer", "FFMA R6, R7, R8, R6": "float", "MUFU.EX2 R1, R2": "float",
+           "HMMA.16816.F32.BF16 R12, R8, R10, R12": "mma", "HGMMA.64x64x16.F32 R24, gdesc[UR4], R24": "mma",
+           "BAR.SYNC.DEFER_BLOCKING 0x0": "shared_sync", "SHFL.BFLY PT, R1, R2, 0x1, 0x1f": "shared_sync",
+           "MOV R1, R2": "other", "@P1 BRA 0xb0": "other", "STL [R1], R6": "other"}
+
+
+@pytest.mark.parametrize("instruction", list(CLASSES), ids=list(CLASSES))
+def test_classify(instruction):
+    assert sass.classify(instruction) == CLASSES[instruction]
+
+
+def test_instructions_in_address_order():
+    listing = sass.instructions(LISTING)
+    assert [a for a, _ in listing] == list(range(0, 0xF0, 0x10))
+    assert listing[7] == (0x70, "@P1 BRA 0xb0")
+
+
+def test_main_loop_is_the_largest_backward_branch():
+    loop = sass.main_loop(LISTING)
+    assert loop[0].startswith("LDG.E.128") and loop[-1] == "@P2 BRA 0x20" and len(loop) == 11
+
+
+def test_no_loop():
+    assert sass.main_loop(LISTING.replace("BRA 0x40", "BRA 0xe0").replace("BRA 0x20", "BRA 0xe0")) == []
+
+
+def test_resources_parsed_from_cuobjdump_output():
+    usage = " Function partial_attention_kernel:\n  REG:130 STACK:0 SHARED:1024 LOCAL:16 CONSTANT[0]:984 TEXTURE:0"
+    assert [sass.resource(usage, name) for name in ("REG", "SHARED", "LOCAL", "STACK", "TEXTURE")] == [130, 1024, 16, 0, 0]
+
+
+def test_cuda_target_answers_the_capability():
+    from triton.runtime import driver
+
+    with sass.cuda_target(89):
+        target = driver.active.get_current_target()
+        assert (target.backend, target.arch, target.warp_size) == ("cuda", 89, 32)
