@@ -20,7 +20,7 @@ from ..kernels.backend import INSTALL_HINT, triton_problem, triton_version
 from .packing import plane_widths
 from .quant import TWO_MEANS_STEPS, QuantSpec, storage_offset
 
-__all__ = ["block_format", "store_dynamic", "store_slots", "take_counts", "uses_kernel"]
+__all__ = ["block_format", "choose_kernel", "store_dynamic", "store_slots", "take_counts", "uses_kernel"]
 
 COUNTERS = ("nonfinite_values", "saturated_metadata_groups")
 """What the kernel counts on the device, in the order of a store's ``counts`` tensor."""
@@ -43,24 +43,36 @@ def uses_kernel(x: torch.Tensor, spec: QuantSpec) -> bool:
     :mod:`hf_asymkv.kernels.append` for ``HF_ASYMKV_APPEND_BACKEND``).
 
     Raises:
-        ImportError: ``triton`` was asked for and Triton is not installed.
-        ValueError: ``triton`` was asked for and the kernel cannot serve these blocks (the message says why), or an
-            unknown backend name.
+        ImportError, ValueError: as :func:`choose_kernel`.
     """
     backend = requested_append_backend()
-    compiling = torch.compiler.is_compiling()
-    if backend == "torch" or backend == "auto" and (x.device.type != "cuda" or compiling):
+    if backend == "torch" or backend == "auto" and x.device.type != "cuda":  # the CPU path stays as cheap as it was
         return False
-    problem = triton_problem(x.device) or unserved(block_format(spec, x.shape[-1]), x.shape[-1])
-    if problem is None and compiling and x.device.type != "cuda":
+    return choose_kernel(backend, x.device, torch.compiler.is_compiling(),
+                         unserved(block_format(spec, x.shape[-1]), x.shape[-1]), spec.fmt)
+
+
+def choose_kernel(backend: str, device: torch.device, compiling: bool, problem: str | None, what: str) -> bool:
+    """The kernel (True) or the torch path for blocks on ``device`` that the kernel cannot serve for ``problem`` (a
+    phrase, None when it can), under ``backend`` (``auto``: the kernel on CUDA in eager code when it can; ``triton``:
+    the kernel or an error; ``torch``). ``what``: the blocks' format, for the error message.
+
+    Raises:
+        ImportError: ``triton`` and Triton is not installed.
+        ValueError: ``triton`` and the kernel cannot serve the blocks (the message says why).
+    """
+    if backend == "torch" or backend == "auto" and (device.type != "cuda" or compiling):
+        return False
+    problem = triton_problem(device) or problem
+    if problem is None and compiling and device.type != "cuda":
         problem = "a compiled graph on CPU tensors (the interpreter runs eagerly only)"
     if backend == "auto":
         return problem is None
     if problem is not None:
         error = ImportError if triton_version() is None else ValueError
         hint = f" ({INSTALL_HINT})" if triton_version() is None else ""
-        raise error(f"{APPEND_ENV_VAR}=triton cannot quantize these {spec.fmt} blocks: {problem}{hint}. Unset it "
-                    "(or set 'auto') to fall back to the torch path.")
+        raise error(f"{APPEND_ENV_VAR}=triton cannot quantize these {what} blocks: {problem}{hint}. Unset it (or "
+                    "set 'auto') to fall back to the torch path.")
     return True
 
 
