@@ -29,7 +29,7 @@ CONFIGS = {
 }
 
 
-def _some_steps(config: AsymKVConfig, steps: int, q_len: int = 1, every: int = 5):
+def _some_steps(config: AsymKVConfig, steps: int, q_len: int = 1, every: int = 8):
     """Every ``every``-th step of :func:`test_static_op._steps` (2 KV heads of 16 channels, 2 query heads each, a
     left-padded row), and the last one: each kernel call costs under the interpreter."""
     for i, step in enumerate(_steps(config, steps=steps, q_len=q_len)):
