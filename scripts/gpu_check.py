@@ -16,6 +16,13 @@ On the GPU machine (torch, triton and transformers installed):
     pip install --no-deps -e .
     python scripts/gpu_check.py 2>&1 | tee results/gpu/raw_output.txt
 
+``--parts static`` (issue 38) times the compiled static path as ``generate`` runs it (decode steps compiled with
+CUDA graphs, ``--compile-mode reduce-overhead``, prefill eager in chunks) beside transformers' compiled StaticCache
+and the eager paths, at ``--static-contexts`` x ``--static-batches``, with launches per step and each scheme's
+ratio to its baseline (results/gpu/gpu_check.md, section "Compiled static path"):
+
+    python scripts/gpu_check.py --parts static 2>&1 | tee results/gpu/raw_output_static.txt
+
 ``--dry-run`` runs every part on CPU with tiny shapes and the kernels under Triton's interpreter (CI runs it, so
 that this script cannot rot); its figures mean nothing.
 """
@@ -45,10 +52,13 @@ OUT = Path(__file__).resolve().parents[1] / "results" / "gpu"
 # --dry-run: tiny shapes, contexts that still quantize a block of every preset (128-token blocks after 4 sinks and a
 # 64-token window), one step
 DRY = dict(contexts=[200], long_batch=[2, 200], steps=1, warmup=1, layers=2, attention_context=256,
-           attention_batches=[2], iters=1)
-PARTS = ("update", "check", "attention", "decode", "tune", "profile")
+           attention_batches=[2], iters=1, static_contexts=[200], static_batches=[1, 2], prefill_chunk=64)
+PARTS = ("update", "check", "attention", "decode", "tune", "profile", "static")
 DEFAULT_PARTS = ("update", "check", "attention", "decode")
 CHECK_CONTEXT = 4096  # context of the kernel-vs-torch agreement check (at most the attention context)
+STATIC_CONTEXTS = [8192, 32768, 131072]  # --parts static: every context at every batch
+STATIC_BATCHES = [1, 8]
+PREFILL_CHUNK = 8192  # --parts static prefills in forwards of this many tokens (batch 8 x 128k at once needs ~100 GB)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,6 +89,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tune-batches", type=int, nargs="+", default=[1, 8], help="batches of the launch-setting sweep")
     p.add_argument("--profile-schemes", nargs="+", default=["dynamic", "dynamic-flash", "balanced-dense", "balanced-triton"],
                    help="schemes whose decode steps are profiled (batch 1, the middle of --contexts)")
+    p.add_argument("--static-contexts", type=int, nargs="+", default=STATIC_CONTEXTS, help="contexts of --parts static")
+    p.add_argument("--static-batches", type=int, nargs="+", default=STATIC_BATCHES, help="batches of --parts static")
+    p.add_argument("--static-schemes", nargs="+", default=None,
+                   help="schemes of --parts static (default: hf_asymkv.bench.static_report.STATIC_SCHEMES)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill forward "
+                   "in --parts static")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     if args.dry_run:
@@ -95,7 +111,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
              ("--warmup", args.warmup, 0), ("--layers", args.layers, 1), ("--iters", args.iters, 1),
              ("--attention-context", args.attention_context, 1), ("--attention-batches", args.attention_batches, 1),
              ("--full-layers", args.full_layers, 1), ("--compiled-contexts", args.compiled_contexts or [1], 1),
-             ("--tune-batches", args.tune_batches, 1)]
+             ("--tune-batches", args.tune_batches, 1), ("--static-contexts", args.static_contexts, 1),
+             ("--static-batches", args.static_batches, 1), ("--prefill-chunk", args.prefill_chunk, 1)]
     for flag, value, minimum in least:
         if min(value if isinstance(value, list) else [value]) < minimum:
             p.error(f"{flag} must be >= {minimum}, got {value}")
@@ -120,9 +137,12 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from hf_asymkv.bench.gpu_runs import GPU_SCHEMES
+    from hf_asymkv.bench.static_report import STATIC_SCHEMES
 
     schemes = args.schemes or list(GPU_SCHEMES)
-    for flag, names in (("schemes", schemes), ("--profile-schemes", args.profile_schemes)):
+    args.static_schemes = args.static_schemes or STATIC_SCHEMES
+    for flag, names in (("schemes", schemes), ("--profile-schemes", args.profile_schemes),
+                        ("--static-schemes", args.static_schemes)):
         unknown = sorted(set(names) - set(GPU_SCHEMES))
         if unknown:
             sys.exit(f"gpu_check.py: error: unknown {flag} {unknown}; known: {list(GPU_SCHEMES)}")
@@ -145,7 +165,8 @@ def run(args: argparse.Namespace, schemes: list[str]) -> dict:
     print(f"model: {shapes}, weights read per step {meta['weight_bytes'] / 2**30:.2f} GiB", flush=True)
     run_part = set(args.parts).__contains__
     deadline = None if args.time_budget is None else started + args.time_budget
-    parts = {"update_cost": [], "kernel_check": [], "attention": [], "decode": [], "tune": [], "profile": []}
+    parts = {"update_cost": [], "kernel_check": [], "attention": [], "decode": [], "tune": [], "profile": [],
+             "static": []}
     if run_part("update"):
         parts["update_cost"] = op_count.flush_cost_rows(model, list(PRESETS_ALL))
     if run_part("check"):
@@ -179,7 +200,27 @@ def run(args: argparse.Namespace, schemes: list[str]) -> dict:
         print(f"decode {name} batch {batch} context {context}: {row.status} {row.decode_ms:.2f} ms/step", flush=True)
         parts["decode"].append(row.as_dict())
         _write(args, meta, parts, final=False)
+    for name, batch, context in static_plan(args) if run_part("static") else []:
+        if deadline is not None and time.monotonic() > deadline:
+            row = gpu_runs.DecodeRow(name, batch, context, status=f"skipped: --time-budget {args.time_budget:g} s spent")
+        else:
+            row = gpu_runs.decode_row(model, name, batch, context, args.steps, args.warmup,
+                                      compile_mode=args.compile_mode, prefill_chunk=args.prefill_chunk,
+                                      count_launches=True)
+        print(f"static {name} batch {batch} context {context}: {row.status} {row.decode_ms:.2f} ms/step, "
+              f"{row.launches_per_step} launches/step", flush=True)
+        parts["static"].append(row.as_dict())
+        _write(args, meta, parts, final=False)
     return _write(args, meta, parts, final=True)
+
+
+def static_plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """``(scheme, batch, context)`` of ``--parts static`` in the order they run: per batch and context (shortest
+    first), the eager schemes, then the compiled ones, so that each ratio's baseline is measured beside it."""
+    from hf_asymkv.bench.gpu_runs import GPU_SCHEMES
+
+    names = sorted(args.static_schemes, key=lambda n: GPU_SCHEMES[n].compiled)  # stable: eager ones first
+    return [(n, b, c) for c in sorted(args.static_contexts) for b in args.static_batches for n in names]
 
 
 def decode_plan(args: argparse.Namespace, schemes: list[str]) -> list[tuple[str, int, int]]:
@@ -215,6 +256,12 @@ def _write(args: argparse.Namespace, meta: dict, parts: dict, final: bool) -> di
         from hf_asymkv.bench.gpu_tune import markdown as tune_markdown
 
         markdown += "\n" + tune_markdown(parts["tune"], parts["profile"])
+    if parts["static"]:
+        from hf_asymkv.bench.gpu_runs import GPU_SCHEMES
+        from hf_asymkv.bench.static_report import static_markdown, static_rows
+
+        report["static"] = static_rows(parts["static"], {n for n, s in GPU_SCHEMES.items() if s.compiled})
+        markdown += "\n" + static_markdown(report["static"])
     paths = gpu_report.write_report(args.out, report, markdown)
     if final:
         print(markdown)
@@ -236,7 +283,8 @@ def _meta(args: argparse.Namespace, shapes, model, device) -> dict:
             "weight_bytes": weight_bytes(model), "steps": args.steps, "warmup": args.warmup,
             "budget_gib": args.budget_gib, "full_layers": args.full_layers, "time_budget_s": args.time_budget,
             "compiled_contexts": args.compiled_contexts or args.contexts, "parts": args.parts,
-            "compile_mode": args.compile_mode}
+            "compile_mode": args.compile_mode, "static_contexts": args.static_contexts,
+            "static_batches": args.static_batches, "prefill_chunk": args.prefill_chunk}
 
 
 if __name__ == "__main__":

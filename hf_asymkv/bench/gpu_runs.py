@@ -194,6 +194,15 @@ def compiled_forward(model, mode: str = COMPILE_MODES[0]) -> Callable:
     return torch.compile(model.forward, fullgraph=True, dynamic=False, backend="inductor", mode=mode)
 
 
+def _prefill(model, cache, ids: torch.Tensor, chunk: int | None):
+    """The prompt ``ids`` ``[B, n]`` into ``cache``, in forwards of ``chunk`` tokens (all at once for None): the
+    last forward's output (logits of its last token)."""
+    chunk = chunk or ids.shape[1]
+    for begin in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, begin : begin + chunk], **cache_kwargs(cache), logits_to_keep=1)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ timing
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -225,6 +234,9 @@ class DecodeRow:
     decode_ms: float = 0.0  # per step (one token per sequence)
     kv_bytes: int = 0
     peak_gib: float = 0.0
+    launches_per_step: float | None = None  # counted when asked (.launch_count): host launches, kernels, ours
+    kernels_per_step: float | None = None
+    attention_kernels_per_step: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -232,24 +244,35 @@ class DecodeRow:
 
 @torch.no_grad()
 def decode_row(model, name: str, batch: int, context: int, steps: int, warmup: int, seed: int = 0,
-               compile_mode: str = COMPILE_MODES[0]) -> DecodeRow:
-    """Prefill ``batch`` random prompts of ``context`` tokens into scheme ``name``'s cache, then time ``steps``
-    greedy decode steps after ``warmup`` untimed ones (kernel compilation, CUDA-graph capture, first allocations);
-    a compiled scheme's steps run under ``torch.compile(mode=compile_mode)``."""
+               compile_mode: str = COMPILE_MODES[0], prefill_chunk: int | None = None,
+               count_launches: bool = False) -> DecodeRow:
+    """Prefill ``batch`` random prompts of ``context`` tokens into scheme ``name``'s cache (eagerly, as ``generate``
+    does, in forwards of ``prefill_chunk`` tokens when given: long batched prompts stay within memory), then time
+    ``steps`` greedy decode steps after ``warmup`` untimed ones (kernel compilation, CUDA-graph capture, first
+    allocations); a compiled scheme's steps run under ``torch.compile(mode=compile_mode)``. ``count_launches``: two
+    more steps under the profiler give the launches per step (:mod:`.launch_count`)."""
     device = model.device
     row = DecodeRow(name, batch, context)
     ids = prompt_ids(model, batch, context, seed)
+    counted = 2 if count_launches else 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
         with scheme_context(model, name) as scheme:
-            cache = make_gpu_cache(name, model, context + warmup + steps + 1)
+            cache = make_gpu_cache(name, model, context + warmup + steps + counted + 1)
             forward = compiled_forward(model, compile_mode) if scheme.compiled else model
-            prefill_s, out = timed_seconds(lambda: model(input_ids=ids, **cache_kwargs(cache), logits_to_keep=1),
-                                           device)
+            prefill_s, out = timed_seconds(lambda: _prefill(model, cache, ids, prefill_chunk), device)
             token = greedy_steps(forward, cache, out.logits[:, -1:].argmax(-1), warmup)
-            decode_s, _ = timed_seconds(lambda: greedy_steps(forward, cache, token, steps), device)
+            decode_s, token = timed_seconds(lambda: greedy_steps(forward, cache, token, steps), device)
+            if count_launches:
+                from .launch_count import count_launches as count
+
+                step = [token]
+                counts = count(lambda: step.__setitem__(0, greedy_steps(forward, cache, step[0], 1)), device, counted)
+                row.launches_per_step = counts["launches_per_step"]
+                row.kernels_per_step = counts["kernels_per_step"]
+                row.attention_kernels_per_step = counts["attention_kernels_per_step"]
     except SchemeUnavailable as exc:
         row.status = f"skipped: {exc}"
         return row

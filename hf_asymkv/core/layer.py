@@ -48,6 +48,7 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .append import take_counts
 from .compat import LayerAPICompat, crop_tokens_to_remove, mask_query_length, update_position_ids
 from .config import LayerConfig
 from .kv_assign import DECODING_PRESSES_NOTE, DenseKVAttributes
@@ -98,7 +99,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self.hold_updates = False  # AsymKVCache sets it per update: a multi-token update waits for settle()
         self.rollbacks = 0  # crops that removed tokens (the cache's reuse watch reads it)
         self.key_absmax = key_absmax
-        self.stats: Counter = Counter()
+        self._stats: Counter = Counter()
         self._clear()
 
     def reconfigure(self, config: LayerConfig) -> None:
@@ -201,6 +202,19 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
             self._count_flush(n_flush, sum(nonfinite for _, nonfinite in pushed))
         return tuple(store.read(n_old, tail, self.return_views) for store, (tail, _) in zip(self.stores, pushed))
 
+    @property
+    def stats(self) -> Counter:
+        """The layer's counters (``tokens_quantized``, ``blocks_quantized``, ``flushes``, ``nonfinite_values``, ...;
+        ``AsymKVCache.stats()`` sums them). What the append kernel counts on the device (:mod:`hf_asymkv.core.append`)
+        is read here, not in the step: a host sync when the kernel ran."""
+        for store in self.stores:
+            for name, n in take_counts(store.blocks).items():
+                if name == "nonfinite_values":
+                    self._count_nonfinite(n)
+                else:
+                    self._stats[name] += n
+        return self._stats
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cumulative_length + mask_query_length(query_length), 0
 
@@ -213,7 +227,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
     def reset(self) -> None:
         """Empty the layer and end any deferral (past recording, ``keep_latest_exact``); ``hold_updates`` stays."""
         self._clear()
-        self.stats.clear()
+        self._stats.clear()
         self.is_initialized = False
         self.record_past = self.keep_latest_exact = False
 
@@ -259,7 +273,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
             return
         keep = max(0, self.cumulative_length + tokens_to_remove)
         moved = [store.crop(keep, self.dtype) for store in self.stores]
-        self.stats["requantized_tokens"] += moved[0]
+        self._stats["requantized_tokens"] += moved[0]
         self.rollbacks += keep < self.cumulative_length
         self.cumulative_length = keep
         self.clear_assignments()
@@ -352,16 +366,19 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self._count_flush(n_flush, nonfinite)
 
     def _count_flush(self, n_flush: int, nonfinite: int) -> None:
-        self.stats["tokens_quantized"] += n_flush
-        self.stats["blocks_quantized"] += n_flush // self.block_size
-        self.stats["flushes"] += 1
+        self._stats["tokens_quantized"] += n_flush
+        self._stats["blocks_quantized"] += n_flush // self.block_size
+        self._stats["flushes"] += 1
+        self._count_nonfinite(nonfinite)
+
+    def _count_nonfinite(self, nonfinite: int) -> None:
         if nonfinite:
-            if not self.stats["nonfinite_values"]:
+            if not self._stats["nonfinite_values"]:
                 warnings.warn(f"quantized K/V hold {nonfinite} NaN/inf values: they are stored as 0 (NaN) and as the "
                               "group's extreme value (+-inf), see hf_asymkv.core.quant.quantize; the model produced "
                               "non-finite keys or values (counted in cache.stats()['nonfinite_values']).",
-                              RuntimeWarning, stacklevel=4)
-            self.stats["nonfinite_values"] += nonfinite
+                              RuntimeWarning, stacklevel=5)
+            self._stats["nonfinite_values"] += nonfinite
 
     def _key_scale(self, k: torch.Tensor) -> torch.Tensor | None:
         """Per-block K scale from the calibrated range, applying the overflow policy.
@@ -385,11 +402,11 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
                     f"{n_over} key (block, head, channel) ranges exceed the calibrated absmax (worst x{ratio:.3g}) "
                     "with overflow_policy='error'; use 'widen' (default) or recalibrate on longer samples."
                 )
-            self.stats["key_overflow_channels"] += n_over
+            self._stats["key_overflow_channels"] += n_over
             if self.overflow_policy == "clip":
-                self.stats["key_clipped_values"] += int((grouped > calib[:, :, :, None, :]).sum())
+                self._stats["key_clipped_values"] += int((grouped > calib[:, :, :, None, :]).sum())
             else:
-                self.stats["key_widened_blocks"] += int(over.any(dim=-1).sum())
+                self._stats["key_widened_blocks"] += int(over.any(dim=-1).sum())
                 calib = torch.maximum(block_amax, calib)
         spec = self.key_store.blocks.fit(k)
         return scale_from_absmax(calib.expand(b, h, t // self.block_size, d), spec)

@@ -49,6 +49,7 @@ __all__ = [
     "storage_offset",
     "needs_wider_metadata",
     "sqnr_db",
+    "tree_sum",
 ]
 
 # name -> (bits, is_float). Float formats map onto torch's float8 dtypes.
@@ -273,24 +274,43 @@ def _two_means(g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Te
     1-bit code with two free levels can reach from that start). A min-max range would put both levels at the
     extremes and decode every ordinary element a half range off.
 
+    Group sums are taken in one fixed order (:func:`tree_sum`), the one the Triton append kernel
+    (:mod:`hf_asymkv.kernels.triton_append`) uses, so that both store the same levels to the bit.
+
     ``g`` is ``[B, H, N, tg, M, cg]`` float32 (non-finite elements already 0); returns ``[B, H, N, M]`` each, in
     ``spec.scale_dtype``, rounded to nearest (a 1-bit code saturates by design: no range to keep) and clamped to
     its finite range (levels beyond it saturate, as the other formats' ranges do)."""
-    dims = (3, 5)
-    size = g.shape[3] * g.shape[5]  # elements per group
-    total = g.sum(dim=dims, keepdim=True)
-    threshold = g.mean(dim=dims, keepdim=True)
+    b, h, n, tg, m, cg = g.shape
+    size = tg * cg  # elements per group
+    flat = g.permute(0, 1, 2, 4, 3, 5).reshape(b, h, n, m, size)  # each group's elements in (token, channel) order
+    total = tree_sum(flat)
+    threshold = total / size
     for _ in range(TWO_MEANS_STEPS):
-        upper = g > threshold
-        n_up = upper.sum(dim=dims, keepdim=True)
-        sum_up = torch.where(upper, g, 0.0).sum(dim=dims, keepdim=True)
+        upper = flat > threshold
+        n_up = upper.sum(dim=-1, keepdim=True)
+        sum_up = tree_sum(torch.where(upper, flat, 0.0))
         high = torch.where(n_up > 0, sum_up / n_up.clamp(min=1), threshold)
         low = torch.where(n_up < size, (total - sum_up) / (size - n_up).clamp(min=1), threshold)
         threshold = (low + high) / 2
     finfo = torch.finfo(spec.scale_dtype)
     zero = low.clamp(finfo.min, finfo.max).to(spec.scale_dtype)  # finite: levels past the range saturate
     scale = (high - zero.float()).clamp(finfo.tiny, finfo.max).to(spec.scale_dtype)
-    return scale[:, :, :, 0, :, 0], zero[:, :, :, 0, :, 0]
+    return scale[..., 0], zero[..., 0]
+
+
+def tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis in a fixed order: the first half added to the second half, again and again (zeros pad
+    the axis to a power of two): ``[..., n]`` -> ``[..., 1]``. A reduction's order is otherwise the library's
+    (vectorized partial sums on a CPU, a tree on a GPU), and float sums in different orders differ in their last
+    bits."""
+    n = v.shape[-1]
+    padded = 1 << max(0, n - 1).bit_length()
+    if padded != n:
+        v = torch.nn.functional.pad(v, (0, padded - n))
+    while v.shape[-1] > 1:
+        half = v.shape[-1] // 2
+        v = v[..., :half] + v[..., half:]
+    return v
 
 
 def _bcast(t: torch.Tensor) -> torch.Tensor:

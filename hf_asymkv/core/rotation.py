@@ -29,7 +29,7 @@ from ..kernels import cpu_readout
 from .packing import PackedCodes
 from .quant import QuantSpec, dequantize, integer_codes, native_readout, storage_offset
 
-__all__ = ["dequantize_rotated", "hadamard", "hadamard_block", "rotate", "unrotate"]
+__all__ = ["dequantize_rotated", "hadamard", "hadamard_block", "hadamard_transform", "rotate", "unrotate"]
 
 
 def hadamard_block(dim: int) -> int:
@@ -63,6 +63,24 @@ def _hadamard_on(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` in float32 (what gets quantized): ``[..., D]`` -> ``[..., D]`` float32."""
     return x.float() @ hadamard(x.shape[-1], torch.float32, x.device)
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` in float32 by the fast Walsh-Hadamard transform (what the stores quantize): ``[..., D]`` -> ``[..., D]``.
+
+    Butterflies over channel pairs at distance 1, 2, 4, ... within each Hadamard block (``(a, b) -> (a + b, a - b)``),
+    then one multiply by ``1 / sqrt(b)`` (``b`` = :func:`hadamard_block`): the same numbers as :func:`rotate` up to
+    float rounding (fewer roundings than a matrix product's ``D``-term sums), in the order the Triton append kernel
+    (:mod:`hf_asymkv.kernels.triton_append`) computes them in registers, so that both store the same codes to the bit.
+    """
+    d = x.shape[-1]
+    block = hadamard_block(d)
+    y, step = x.float(), 1
+    while step < block:
+        a, b = y.reshape(*y.shape[:-1], d // (2 * step), 2, step).unbind(-2)
+        y = torch.stack([a + b, a - b], dim=-2).reshape(x.shape)
+        step *= 2
+    return y * (1 / math.sqrt(block))
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from .packing import PackedCodes, plane_widths, unpack_codes
 from .quant import integer_codes
 from .wide import WideBits, wide_key_scores
 
-__all__ = ["StaticQuantizedKV", "static_fused_attention"]
+__all__ = ["StaticQuantizedKV", "causal_mask", "static_fused_attention"]
 
 
 @dataclass
@@ -230,7 +230,7 @@ def _generic_mix(p: torch.Tensor, store) -> torch.Tensor:
     return (pg * values[:, :, None]).sum(dim=(3, 4)).view(b, h, r, g * cg)
 
 
-def _causal(start: torch.Tensor, q_len: int, max_len: int) -> torch.Tensor:
+def causal_mask(start: torch.Tensor, q_len: int, max_len: int) -> torch.Tensor:
     """``[1, 1, q, max_len]`` bool: query ``i`` (at position ``start + i``) sees positions up to its own."""
     rows = start + torch.arange(q_len, device=start.device)
     return (torch.arange(max_len, device=start.device)[None, :] <= rows[:, None])[None, None]
@@ -258,7 +258,7 @@ def static_fused_attention(query: torch.Tensor, key: StaticQuantizedKV, value: S
     ns, slots, max_len = ks.sink_count, ks.codes.shape[2], key.max_len
     device, w = query.device, key.tokens.shape[2]
     if attention_mask is None:
-        attention_mask = _causal(key.start, q_len, max_len)
+        attention_mask = causal_mask(key.start, q_len, max_len)
     bias = mask_bias(attention_mask, b, h, n_rep, q_len, max_len, work, device).expand(b, h, r, max_len)
     blocked = torch.tensor(float("-inf"), dtype=work, device=device)
 

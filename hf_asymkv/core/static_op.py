@@ -7,8 +7,9 @@ filled length and boundary as tensors (a graph reads them as data, nothing is re
 strings (:meth:`~hf_asymkv.core.quant.QuantSpec.to_text`: what a compiled graph can carry, stable across
 processes for inductor's cache). Its fake says the output's shape, so ``fullgraph=True`` traces through it.
 
-Implementations: every device runs the torch fused attention (:func:`static_attention_reference`); a device
-kernel registers over it (``static_attention.register_kernel("cuda")``). Which form a step takes:
+Implementations: every device runs the torch fused attention (:func:`static_attention_reference`); CUDA tensors run
+the Triton decode kernel where it serves the call (:func:`static_attention_triton`, see :mod:`.static_kernel`;
+``HF_ASYMKV_ATTENTION_BACKEND`` as for the dynamic cache), the torch implementation otherwise. Which form a step takes:
 ``HF_ASYMKV_STATIC_ATTENTION`` = ``auto`` (the default: the operator for CUDA tensors, the traced torch code on a
 CPU), ``op`` (always the operator: how the CPU tests check the graph through it) or ``inline`` (never).
 """
@@ -24,9 +25,10 @@ from ..kernels import env_choice
 from .quant import QuantSpec
 from .sinks import SinkOverlay
 from .static_attention import StaticQuantizedKV, static_fused_attention
+from .static_kernel import kernel_static_attention
 
 __all__ = ["ENV_VAR", "FORMS", "StoredParts", "static_attention", "static_attention_args", "static_attention_reference",
-           "store_layout", "use_operator"]
+           "static_attention_triton", "store_layout", "use_operator"]
 
 ENV_VAR = "HF_ASYMKV_STATIC_ATTENTION"
 FORMS = ("auto", "op", "inline")
@@ -115,6 +117,20 @@ def static_attention_reference(query, attention_mask, scaling, boundary, start, 
     key = StaticQuantizedKV(_parts(key_layout, key_buffers), key_tokens, boundary, start, max_len)
     value = StaticQuantizedKV(_parts(value_layout, value_buffers), value_tokens, boundary, start, max_len)
     return static_fused_attention(query, key, value, attention_mask, scaling)
+
+
+@static_attention.register_kernel("cuda")
+def static_attention_triton(query, attention_mask, scaling, boundary, start, max_len, key_tokens, value_tokens,
+                            key_buffers, value_buffers, key_layout, value_layout) -> torch.Tensor:
+    """The operator's CUDA implementation: the Triton decode kernel (:func:`~.static_kernel.kernel_static_attention`)
+    where it serves the call, else the torch implementation. Called directly, it runs on CPU tensors under Triton's
+    interpreter (``TRITON_INTERPRET=1``, ``HF_ASYMKV_ATTENTION_BACKEND=triton``): how the tests check it."""
+    out = kernel_static_attention(query, attention_mask, scaling, boundary, start, max_len, key_tokens, value_tokens,
+                                  _parts(key_layout, key_buffers), _parts(value_layout, value_buffers))
+    if out is not None:
+        return out
+    return static_attention_reference(query, attention_mask, scaling, boundary, start, max_len, key_tokens,
+                                      value_tokens, key_buffers, value_buffers, key_layout, value_layout)
 
 
 @static_attention.register_fake

@@ -13,6 +13,7 @@ from collections import Counter
 
 import torch
 
+from .append import store_slots, uses_kernel
 from .kv_view import write_rows
 from .packing import PackedCodes
 from .quant import QuantSpec, dequantize
@@ -128,8 +129,10 @@ class StaticTensorStore:
         """
         bs = self.spec.block_size
         x = tokens[:, :, : candidates * bs]
-        codes, scale, zero, wide = encode_blocks(stored_form(x, self.spec, True, self.rotation), self.spec, scale)
         self.overlay.capture(x, boundary, flushed_tokens)
+        if uses_kernel(x, self.spec):  # one launch writes the valid blocks' slots
+            return store_slots(self, x, targets, valid, scale)
+        codes, scale, zero, wide = encode_blocks(stored_form(x, self.spec, True), self.spec, scale)
         rows = bs // self.spec.token_group
         parts = [(self.codes, codes.data, bs), (self.scales, scale, rows), (self.zeros, zero, rows)]
         if wide is not None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from .append import store_dynamic, uses_kernel
 from .config import Growth
 from .kv_view import QuantizedKV, write_rows
 from .packing import PackedCodes, pack_codes
@@ -33,22 +34,21 @@ from .quant import (
     scale_from_absmax,
     storage_offset,
 )
-from .rotation import dequantize_rotated, rotate
+from .rotation import dequantize_rotated, hadamard_transform
 from .sinks import SinkOverlay
 from .wide import WideBits, choose_channels, split_wide
 
 __all__ = ["GrowableBuffer", "QuantizedBlocks", "TensorStore", "encode_blocks", "stored_form"]
 
 
-def stored_form(x: torch.Tensor, spec: QuantSpec, clean: bool, rotation: torch.Tensor | None = None) -> torch.Tensor:
-    """What is quantized of ``x`` ``[B, H, m, D]``: ``x @ H`` (float32) for a rotated spec, with NaN/inf first set to 0
-    when ``clean`` (rotating an inf would spread it over the token's every channel); ``x`` itself otherwise.
-    ``rotation``: ``H`` (float32 ``[D, D]``) when the caller holds it (a static store: a graph then reads it rather
-    than building it), else :func:`~hf_asymkv.core.rotation.hadamard`'s."""
+def stored_form(x: torch.Tensor, spec: QuantSpec, clean: bool) -> torch.Tensor:
+    """What is quantized of ``x`` ``[B, H, m, D]``: ``x @ H`` (float32, :func:`~hf_asymkv.core.rotation.hadamard_transform`)
+    for a rotated spec, with NaN/inf first set to 0 when ``clean`` (rotating an inf would spread it over the token's
+    every channel); ``x`` itself otherwise."""
     if not spec.rotated:
         return x
     x = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0) if clean else x
-    return rotate(x) if rotation is None else x.float() @ rotation
+    return hadamard_transform(x)
 
 
 def encode_blocks(x: torch.Tensor, spec: QuantSpec, scale: torch.Tensor | None = None
@@ -107,16 +107,24 @@ class GrowableBuffer:
         default ``growth.max_tokens``), rounded up to ``multiple``: one copy of the live rows per growth, so
         O(n / max_step) copies over n appended rows. ``growth=None``: exactly the rows needed.
         """
-        needed = self.length + x.shape[2]
+        self.extend(x.shape[2], x, growth, multiple, max_step).copy_(x)
+
+    def extend(self, n: int, like: torch.Tensor, growth: Growth | None = None, multiple: int = 1,
+               max_step: int | None = None) -> torch.Tensor:
+        """Make ``n`` more rows live and return them (a view, to be written: what :meth:`append` copies into, and
+        where the append kernel writes directly). ``like``: rows of the buffer's shape and dtype (``[B, H, *, ...]``,
+        any length); growth as in :meth:`append`."""
+        needed = self.length + n
         if self.data is None or needed > self.data.shape[2]:
             cap = 0 if self.data is None else self.data.shape[2]
             new_cap = needed if growth is None else growth.capacity(cap, needed, multiple, max_step)
-            new = x.new_empty(*x.shape[:2], new_cap, *x.shape[3:])
+            new = like.new_empty(*like.shape[:2], new_cap, *like.shape[3:])
             if self.length:
                 new[:, :, : self.length] = self.live
             self.data = new
-        self.data[:, :, self.length : needed] = x
+        rows = self.data[:, :, self.length : needed]
         self.length = needed
+        return rows
 
     def truncate(self, length: int) -> None:
         self.length = length
@@ -159,6 +167,7 @@ class QuantizedBlocks:
         self.spec, self.growth = spec, growth
         self.codes, self.scales, self.zeros = GrowableBuffer(), GrowableBuffer(), GrowableBuffer()
         self.wide_bits, self.wide_channels = GrowableBuffer(), GrowableBuffer()
+        self.device_counts: torch.Tensor | None = None  # what the append kernel counts (hf_asymkv.core.append)
 
     @property
     def block_size(self) -> int:
@@ -198,8 +207,12 @@ class QuantizedBlocks:
                 :meth:`fit` returned for ``x``; measured from ``x`` when None.
 
         Returns:
-            the number of non-finite elements in ``x``.
+            the number of non-finite elements in ``x`` (0 when the append kernel quantizes ``x``: it counts them on
+            the device, :func:`~hf_asymkv.core.append.take_counts`).
         """
+        if uses_kernel(x, self.spec):
+            store_dynamic(self, x, scale)
+            return 0
         nonfinite = int((~torch.isfinite(x)).sum())
         x = stored_form(x, self.spec, clean=bool(nonfinite))
         self.fit(x)

@@ -59,8 +59,16 @@ class WideBits:
 
 
 def choose_channels(scale: torch.Tensor, count: int) -> torch.Tensor:
-    """Each block's ``count`` channels of largest scale: ``[B, H, N, D]`` -> ``[B, H, N, count]`` int64, ascending."""
-    return scale.float().topk(count, dim=-1).indices.sort(dim=-1).values
+    """Each block's ``count`` channels of largest scale, equal scales taken lowest channel first: ``[B, H, N, D]``
+    (positive scales, ``D <= 256``) -> ``[B, H, N, count]`` int64, ascending.
+
+    ``topk`` alone breaks ties as its implementation happens to (differently on a CPU and a GPU), and scales rounded
+    to bfloat16 tie often; so the ranking key is the scale's float32 bits (ordered as the values are, for positive
+    floats) with the channel's rank in reverse as the low byte: no two keys are equal. The Triton append kernel ranks
+    channels by the same rule."""
+    d = scale.shape[-1]
+    key = scale.float().view(torch.int32).long() * 256 + (255 - torch.arange(d, device=scale.device))
+    return key.topk(count, dim=-1).indices.sort(dim=-1).values
 
 
 def _spread(channels: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -52,8 +52,12 @@ def test_dry_run_writes_the_report(tmp_path):
     (["--parts", "check,speed"], "--parts: unknown or no parts ['speed']; known: update,check,attention,decode,tune,"),
     (["--parts", ","], "--parts: unknown or no parts []"),
     (["--compile-mode", "fast"], "argument --compile-mode: invalid choice: 'fast'"),
+    (["--static-contexts", "0"], "--static-contexts must be >= 1, got [0]"),
+    (["--static-batches", "8", "-1"], "--static-batches must be >= 1, got [8, -1]"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
 ], ids=["zero-context", "zero-batch-context", "negative-warmup", "zero-bandwidth", "negative-budget", "zero-time-budget",
-        "zero-compiled-context", "zero-tune-batch", "unknown-part", "no-part", "unknown-compile-mode"])
+        "zero-compiled-context", "zero-tune-batch", "unknown-part", "no-part", "unknown-compile-mode",
+        "zero-static-context", "negative-static-batch", "zero-prefill-chunk"])
 def test_bad_flags_exit_2(gpu_check, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         gpu_check.parse_args(argv)
@@ -95,3 +99,40 @@ def test_compile_modes_are_the_runners_and_default_to_generates(gpu_check):
         assert gpu_check.parse_args(["--compile-mode", mode]).compile_mode == mode
     with pytest.raises(ValueError, match="compile mode 'fast'; expected one of"):
         compiled_forward(None, "fast")
+
+
+@needs_triton
+def test_dry_run_of_the_static_part(tmp_path):
+    """``--parts static``: each scheme's row with launches per step and its baseline (the ratios are checked in
+    test_static_report.py); the prefill runs in chunks (64 tokens in the dry run, of 200). One compiled scheme: each
+    costs a trace."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    schemes = ["dynamic-flash", "balanced-triton", "balanced-static-fused-compiled"]
+    subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--parts", "static", "--static-batches", "2",
+                    "--static-schemes", *schemes, "--out", str(tmp_path)], check=True, capture_output=True, text=True,
+                   env=env)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {r["scheme"]: r for r in report["static"]}
+    assert list(rows) == schemes and all(r["status"] == "ok" and r["context"] == 200 for r in rows.values())
+    assert all(r["launches_per_step"] > 0 and r["kernels_per_step"] is None for r in rows.values())  # CPU: aten ops
+    assert rows["balanced-static-fused-compiled"]["baseline"] == "hf-static-compiled"
+    eager = rows["balanced-triton"]
+    assert eager["baseline"] == "dynamic-flash" and eager["ratio"] > 0 and eager["target"] == 1.0
+    assert report["meta"]["prefill_chunk"] == 64
+    assert "## Compiled static path as generate runs it" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_unknown_static_scheme_is_named(gpu_check):
+    with pytest.raises(SystemExit, match=r"unknown --static-schemes \['nope'\]; known: \['dynamic'"):
+        gpu_check.main(["--dry-run", "--parts", "static", "--static-schemes", "dynamic", "nope"])
+
+
+def test_static_plan_runs_every_batch_and_context_eager_schemes_first(gpu_check):
+    """The issue's grid by default (8k/32k/128k x batch 1 and 8); each setting's baselines run beside its rows."""
+    args = gpu_check.parse_args(["--parts", "static"])
+    args.static_schemes = ["balanced-static-fused-compiled", "hf-static-compiled", "dynamic-flash"]
+    plan = gpu_check.static_plan(args)
+    assert plan[:3] == [("dynamic-flash", 1, 8192), ("balanced-static-fused-compiled", 1, 8192),
+                        ("hf-static-compiled", 1, 8192)]
+    assert {(b, c) for _, b, c in plan} == {(b, c) for b in (1, 8) for c in (8192, 32768, 131072)}
+    assert len(plan) == 18

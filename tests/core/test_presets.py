@@ -13,7 +13,7 @@ from hf_asymkv.core.attention import fused_attention
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.presets import preset_config
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
-from hf_asymkv.core.rotation import hadamard, hadamard_block, rotate, unrotate
+from hf_asymkv.core.rotation import hadamard, hadamard_block, hadamard_transform, rotate, unrotate
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -38,6 +38,17 @@ def test_rotation_round_trips_against_float64():
     assert peak(x) > 0.8 and peak(y.double()) < 0.5
     back = unrotate(y.double())
     assert sqnr_db(x, back) > 130  # float32 rotation, float64 inverse: float32 rounding only
+
+
+@pytest.mark.parametrize("dim", [64, 128, 80, 96], ids=lambda d: f"head_dim-{d}")
+def test_the_butterfly_is_the_rotation(dim):
+    """What the stores quantize (``hadamard_transform``, the append kernel's order) is ``x @ H`` to float32 rounding,
+    the block-diagonal matrix of head_dims that are not powers of two included."""
+    x = torch.randn(2, 3, 40, dim, dtype=torch.float64)
+    y = hadamard_transform(x.float())
+    assert y.dtype == torch.float32
+    assert sqnr_db(x @ hadamard(dim, torch.float64), y.double()) > 135
+    assert sqnr_db(rotate(x.float()).double(), y.double()) > 130
 
 
 def _filled(vspec: QuantSpec, kspec: QuantSpec | None = None, sinks: int = 3, dtype=torch.float32):

@@ -36,6 +36,7 @@ from hf_asymkv.core.quant import (
     quantize,
     scale_from_absmax,
     sqnr_db,
+    tree_sum,
 )
 
 INF, NAN = math.inf, math.nan
@@ -236,6 +237,23 @@ def test_scale_from_absmax_hand():
 # --------------------------------------------------------------------------------------------------------------
 # 1b. int1: two levels fitted to each group (2-means), no range
 # --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 64])
+def test_tree_sum_adds_halves_in_a_fixed_order(n):
+    """``tree_sum`` (the 1-bit encoder's group sums, the append kernel's order): first half plus second half, zeros
+    padding to a power of two. Float sums in another order round differently, so the order is what is checked."""
+    v = torch.tensor([2.0**24, 1.0, -(2.0**24), 1.0] * 16)[:n]
+    expected = v.tolist() + [0.0] * ((1 << max(0, n - 1).bit_length()) - n)
+    while len(expected) > 1:
+        half = len(expected) // 2
+        expected = [float(torch.tensor(a) + torch.tensor(b)) for a, b in zip(expected[:half], expected[half:])]
+    assert tree_sum(v[None]).shape == (1, 1) and tree_sum(v[None]).item() == expected[0]
+    if n == 4:  # (2**24 - 2**24) + (1 + 1) = 2; left to right, 2**24 + 1 rounds the 1 away: 1
+        left_to_right = torch.tensor(0.0)
+        for element in v:
+            left_to_right = left_to_right + element
+        assert expected[0] == 2.0 and float(left_to_right) == 1.0
 
 
 def test_int1_two_clusters_decode_to_their_means():

@@ -13,20 +13,21 @@ from helpers import manual_greedy
 from test_static_attention import CONFIGS, PADS, PROMPT, _mask
 from transformers import LlamaConfig
 
-from hf_asymkv import AsymKVCache, register_attention
+from hf_asymkv import AsymKVCache, AsymKVConfig, register_attention
 from hf_asymkv.core.static_attention import StaticQuantizedKV, static_fused_attention
 from hf_asymkv.core.static_op import ENV_VAR, static_attention, static_attention_args, use_operator
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _steps(name: str, n_rep: int = 2, steps: int = 12):
-    """A left-padded static layer through ``steps`` one-token updates: ``(query, key, value, mask)`` per step."""
+def _steps(name: str | AsymKVConfig, n_rep: int = 2, steps: int = 12, q_len: int = 1):
+    """A left-padded static layer (``CONFIGS[name]``, or a config) through ``steps`` updates of ``q_len`` tokens:
+    ``(query, key, value, mask)`` per step."""
     heads, d = 2, 16
     config = LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=heads * n_rep,
                          num_key_value_heads=heads, head_dim=d)
-    max_len = PROMPT + steps
-    cache = AsymKVCache(config, CONFIGS[name], max_cache_len=max_len)
+    max_len = PROMPT + steps * q_len
+    cache = AsymKVCache(config, CONFIGS[name] if isinstance(name, str) else name, max_cache_len=max_len)
     layer = cache.layers[0]
     layer.return_views = True
     g = torch.Generator().manual_seed(0)
@@ -34,11 +35,11 @@ def _steps(name: str, n_rep: int = 2, steps: int = 12):
     queries = torch.randn(2, heads * n_rep, max_len, d, generator=g)
     positions = torch.stack([torch.arange(PROMPT), (torch.arange(PROMPT) - PADS).clamp(min=0)])
     layer.update(keys[:, :, :PROMPT], values[:, :, :PROMPT], kwargs={"position_ids": positions})
-    for start in range(PROMPT, max_len):
-        pos = torch.tensor([[start], [start - PADS]])
-        key, value = layer.update(keys[:, :, start : start + 1], values[:, :, start : start + 1],
-                                  kwargs={"position_ids": pos})
-        yield queries[:, :, start : start + 1], key, value, _mask(start, 1, max_len)
+    for start in range(PROMPT, max_len, q_len):
+        span = slice(start, start + q_len)
+        pos = torch.stack([torch.arange(start, start + q_len), torch.arange(start, start + q_len) - PADS])
+        key, value = layer.update(keys[:, :, span], values[:, :, span], kwargs={"position_ids": pos})
+        yield queries[:, :, span], key, value, _mask(start, q_len, max_len)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -17,6 +17,7 @@ from hf_asymkv.core.config import CONFIG_VERSION
 from hf_asymkv.core.layer import AsymKVLayer
 from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
 from hf_asymkv.core.store import encode_blocks
+from hf_asymkv.core.wide import choose_channels
 
 BLOCK = 16
 
@@ -44,15 +45,27 @@ def test_codes_are_one_bit_wider_on_each_blocks_widest_channels(head_dim, fracti
     codes, scale, zero, wide = encode_blocks(x, spec)
     count = spec.wide_count(head_dim)
     assert wide.channels.shape == (1, 2, 2, count) and wide.bits.shape == (1, 2, 2 * BLOCK, -(-count // 8))
-    # the chosen channels are each block's widest (largest b-bit scale)
+    # the chosen channels are each block's widest (largest b-bit scale; equal scales: the lower channel first)
     narrow_scale, _ = compute_scale_zero(x, narrow)
-    widest = narrow_scale.float().topk(count, dim=-1).indices.sort(-1).values
+    widest = narrow_scale.float().argsort(dim=-1, descending=True, stable=True)[..., :count].sort(-1).values
     assert torch.equal(wide.channels.long(), widest)
     chosen = torch.zeros(1, 2, 2, head_dim, dtype=torch.bool).scatter_(-1, widest, True)
     expected = torch.where(chosen.repeat_interleave(BLOCK, 2), _plain(x, wider), _plain(x, narrow))
     assert torch.equal(dequantize(codes, scale, zero, spec, wide=wide), expected)
     # without the high bits the wide channels decode wrong: the test sees them
     assert not torch.equal(dequantize(codes, scale, zero, spec), expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_equal_scales_choose_the_lower_channels(head_dim):
+    """Ties (frequent among bfloat16 scales) are broken by channel, not by topk's implementation, so that the Triton
+    append kernel can choose the same channels."""
+    scale = torch.ones(1, 1, 2, head_dim, dtype=torch.bfloat16)
+    scale[0, 0, 1, -1] = 2.0  # block 1: the last channel is the widest, the others tie
+    count = head_dim // 4
+    channels = choose_channels(scale, count)
+    assert channels[0, 0, 0].tolist() == list(range(count))
+    assert channels[0, 0, 1].tolist() == list(range(count - 1)) + [head_dim - 1]
 
 
 def test_a_calibrated_range_keeps_its_range_with_the_wider_step():

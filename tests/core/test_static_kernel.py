@@ -1,0 +1,75 @@
+"""The CUDA implementation of ``hf_asymkv::static_attention`` (:mod:`hf_asymkv.core.static_kernel`): registered for
+CUDA; run on CPU tensors under Triton's interpreter, it equals the torch implementation across flushes of a
+left-padded batch (sinks, the padded row's exact sinks, block slots, window) for the presets' formats; calls the
+kernel does not serve take the torch implementation, or fail under ``HF_ASYMKV_ATTENTION_BACKEND=triton``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_static_op import _steps
+
+from hf_asymkv import AsymKVConfig
+from hf_asymkv.core.static_attention import static_fused_attention
+from hf_asymkv.core.static_op import static_attention, static_attention_args, static_attention_triton
+from hf_asymkv.kernels.backend import ENV_VAR as BACKEND_VAR
+
+pytest.importorskip("triton")  # the kernel runs under Triton's interpreter (tests/conftest.py selects it)
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BLOCKS = dict(key_block_size=16, residual_length=16)  # the kernel's tiles are 16 tokens at least
+CONFIGS = {
+    "balanced": AsymKVConfig(**BLOCKS),
+    "compact": AsymKVConfig(key_format="int4", key_symmetric=False, value_bits=3, **BLOCKS),
+    "wide-keys-1-bit-values": AsymKVConfig(key_format="int3", key_symmetric=False, key_wide_fraction=0.25,
+                                           value_bits=1, **BLOCKS),
+    "fp8-keys-grouped-values": AsymKVConfig(key_format="fp8_e4m3", value_group_size=8, value_rotation=False,
+                                            **BLOCKS),
+    "no-sinks": AsymKVConfig(sink_tokens=0, **BLOCKS),
+}
+
+
+def _some_steps(config: AsymKVConfig, steps: int, q_len: int = 1, every: int = 8):
+    """Every ``every``-th step of :func:`test_static_op._steps` (2 KV heads of 16 channels, 2 query heads each, a
+    left-padded row), and the last one: each kernel call costs under the interpreter."""
+    for i, step in enumerate(_steps(config, steps=steps, q_len=q_len)):
+        if i % every == 0 or i == steps - 1:
+            yield step
+
+
+def test_the_cuda_implementation_is_registered():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(static_attention._qualname, "CUDA")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_kernel_equals_the_torch_implementation(name, monkeypatch):
+    """Forced to the kernel (an unserved call would raise): steps before, across and after two block flushes."""
+    monkeypatch.setenv(BACKEND_VAR, "triton")
+    for q, key, value, mask in _some_steps(CONFIGS[name], steps=24):
+        expected = static_fused_attention(q, key, value, mask, 0.25)
+        got = static_attention_triton(*static_attention_args(q, key, value, mask, 0.25))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_several_query_tokens_and_no_mask(monkeypatch):
+    """Three query tokens per step (a speculative step), causal from the filled length when no mask is given."""
+    monkeypatch.setenv(BACKEND_VAR, "triton")
+    for q, key, value, _ in _some_steps(CONFIGS["balanced"], steps=8, q_len=3, every=3):
+        expected = static_fused_attention(q, key, value, None, 0.25)
+        torch.testing.assert_close(static_attention_triton(*static_attention_args(q, key, value, None, 0.25)),
+                                   expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unserved_calls_take_the_torch_implementation(monkeypatch):
+    """Rotated keys: the kernel does not read them. ``auto`` runs the torch implementation (bit for bit), ``triton``
+    says why it cannot, ``torch`` never builds the kernel's regions."""
+    config = AsymKVConfig(key_format="int4", key_granularity="token", key_rotation=True, **BLOCKS)
+    q, key, value, mask = list(_steps(config, steps=4))[-1]
+    args = static_attention_args(q, key, value, mask, 0.25)
+    expected = static_fused_attention(q, key, value, mask, 0.25)
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv(BACKEND_VAR, backend)
+        assert torch.equal(static_attention_triton(*args), expected)
+    monkeypatch.setenv(BACKEND_VAR, "triton")
+    with pytest.raises(ValueError, match="cannot serve this attention call: rotated keys"):
+        static_attention_triton(*args)
