@@ -3,8 +3,8 @@ and its launcher (:mod:`.triton_append` holds the kernel).
 
 ``HF_ASYMKV_APPEND_BACKEND`` (read at every flush) picks who quantizes and packs a flushed block:
 
-- ``auto`` (default): the kernel for CUDA tensors in eager code when Triton is installed and the format is served,
-  the torch path otherwise (CPU tensors, compiled graphs: inductor fuses the torch path itself);
+- ``auto`` (default): the kernel for CUDA tensors in eager code when Triton is installed and the format is served
+  (keys with wide channels excepted until their compile time is measured on a GPU), the torch path otherwise (CPU tensors, compiled graphs: inductor fuses the torch path itself);
 - ``triton``: the kernel, or an error saying why it cannot (CPU tensors run it under Triton's interpreter with
   ``TRITON_INTERPRET=1``: that is how it is tested without a GPU; in a compiled graph on a GPU it is the custom
   operator ``hf_asymkv::append_blocks``);

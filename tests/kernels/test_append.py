@@ -244,6 +244,18 @@ def test_who_quantizes(backend, device, compiling, expected):
     assert append.choose_kernel(backend, torch.device(device), compiling, None, "int8") is expected
 
 
+@pytest.mark.parametrize("preset,wide", [("balanced", False), ("compact", True), ("max", True)])
+def test_auto_keeps_wide_channel_keys_on_the_torch_path(monkeypatch, preset, wide):
+    """Under ``auto`` on a GPU, keys with wide channels are not sent to the kernel (its sm_90 compile did not finish
+    in 45 minutes here); the others are asked of :func:`choose_kernel` as before."""
+    monkeypatch.delenv(APPEND_ENV_VAR, raising=False)
+    asked = []
+    monkeypatch.setattr(append, "choose_kernel", lambda *args: asked.append(args) or True)
+    spec = PRESETS[preset].key_spec()
+    on_gpu = type("Blocks", (), {"device": torch.device("cuda"), "shape": (1, 2, spec.block_size, 64)})()
+    assert append.uses_kernel(on_gpu, spec) is (not wide) and bool(asked) is (not wide)
+
+
 def test_forced_kernel_refuses_a_compiled_graph_on_cpu():
     with pytest.raises(ValueError, match="compiled graph on CPU tensors"):
         append.choose_kernel("triton", torch.device("cpu"), True, None, "int8")
