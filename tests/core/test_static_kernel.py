@@ -10,6 +10,7 @@ import torch
 from test_static_op import _steps
 
 from hf_asymkv import AsymKVConfig
+from hf_asymkv.core.quant import sqnr_db
 from hf_asymkv.core.static_attention import static_fused_attention
 from hf_asymkv.core.static_op import static_attention, static_attention_args, static_attention_triton
 from hf_asymkv.kernels.backend import ENV_VAR as BACKEND_VAR
@@ -18,6 +19,9 @@ pytest.importorskip("triton")  # the kernel runs under Triton's interpreter (tes
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 BLOCKS = dict(key_block_size=16, residual_length=16)  # the kernel's tiles are 16 tokens at least
+# Both sides read the same codes; the kernel multiplies them as fp16 operands (as the GPU does: issue 37's
+# conversion by bit tricks), so the difference is that rounding, held to tests/kernels/test_decode.py's float32 bound
+FLOAT32_DB = 60.0
 CONFIGS = {
     "balanced": AsymKVConfig(**BLOCKS),
     "compact": AsymKVConfig(key_format="int4", key_symmetric=False, value_bits=3, **BLOCKS),
@@ -48,7 +52,7 @@ def test_the_kernel_equals_the_torch_implementation(name, monkeypatch):
     for q, key, value, mask in _some_steps(CONFIGS[name], steps=24):
         expected = static_fused_attention(q, key, value, mask, 0.25)
         got = static_attention_triton(*static_attention_args(q, key, value, mask, 0.25))
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert got.shape == expected.shape and sqnr_db(expected, got) >= FLOAT32_DB
 
 
 def test_several_query_tokens_and_no_mask(monkeypatch):
@@ -56,8 +60,8 @@ def test_several_query_tokens_and_no_mask(monkeypatch):
     monkeypatch.setenv(BACKEND_VAR, "triton")
     for q, key, value, _ in _some_steps(CONFIGS["balanced"], steps=8, q_len=3, every=3):
         expected = static_fused_attention(q, key, value, None, 0.25)
-        torch.testing.assert_close(static_attention_triton(*static_attention_args(q, key, value, None, 0.25)),
-                                   expected, rtol=1e-5, atol=1e-5)
+        got = static_attention_triton(*static_attention_args(q, key, value, None, 0.25))
+        assert got.shape == expected.shape and sqnr_db(expected, got) >= FLOAT32_DB
 
 
 def test_unserved_calls_take_the_torch_implementation(monkeypatch):
