@@ -147,6 +147,14 @@ def llama():
 
 
 @pytest.fixture(scope="session")
+def llama_one_layer():
+    """The tiny Llama's shapes with one layer, for the inductor compiles (tests/compile, test_static_compile.py):
+    inductor's time grows with the graph (a cold compile of the 2-layer model's prefill and step took 90-120 s on
+    two cores), and what a layer's update does inside the graph does not depend on how many layers follow."""
+    return _build(LlamaForCausalLM, LlamaConfig(num_hidden_layers=1, **_COMMON), seed=0)
+
+
+@pytest.fixture(scope="session")
 def llama_assistant(llama):
     """Draft model for assisted decoding: the tiny Llama with perturbed weights, so it agrees with the Llama on
     some tokens and not others (and never with the Gemma3 model). It always drafts 12 tokens (constant schedule,

@@ -45,6 +45,43 @@ def manual_greedy(forward, prompt: torch.Tensor, cache, steps: int) -> tuple[tor
     return first, tokens
 
 
+def _generate_compile_config():
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")  # reduce-overhead is CUDA graphs
+    config._compile_all_devices = True  # transformers' switch for compiling on CPU
+    return config
+
+
+def _generate(model, prompt: torch.Tensor, cache, steps: int, compiled: bool) -> torch.Tensor:
+    kwargs = {"compile_config": _generate_compile_config()} if compiled else {"disable_compile": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(prompt, **cache_kwargs(cache), max_new_tokens=steps, do_sample=False, **kwargs)
+
+
+def check_generate_compile(model, prompt: torch.Tensor, preset: str, steps: int, **settings) -> None:
+    """``generate``'s own compile of a static cache (one-token steps compiled with ``fullgraph=True``, the prefill
+    eager): the eager static and the dynamic caches' tokens, one graph for every step across block flushes (at least
+    3 flushes per layer inside the steps with ``settings`` of 8-token blocks), none for a second cache."""
+    def static():
+        return AsymKVCache.from_preset(preset, model.config, max_cache_len=prompt.shape[1] + steps, **settings)
+
+    dynamic = _generate(model, prompt, AsymKVCache.from_preset(preset, model.config, **settings), steps, False)
+    eager = _generate(model, prompt, static(), steps, False)
+    torch._dynamo.reset()
+    counters.clear()
+    cache = static()
+    compiled = _generate(model, prompt, cache, steps, True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    # the prefill flushes once per layer: the others ran inside the compiled steps
+    assert cache.stats()["flushes"] >= 3 * len(cache.layers)
+    counters.clear()
+    again = _generate(model, prompt, static(), steps, True)
+    assert not counters["stats"]["unique_graphs"]  # a new cache of the same shape reuses the graph
+    assert torch.equal(compiled, eager) and torch.equal(compiled, dynamic) and torch.equal(again, compiled)
+
+
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """``max |got - expected| / max |expected|``."""
     return float((got - expected).abs().max() / expected.abs().max())

@@ -5,7 +5,8 @@ fullgraph=True, dynamic=False)``, for every preset and on the real default model
 this recipe does, and it gave wrong logits (0.4 on the tiny Llama, 19.7 on the 30-layer default model) until
 :meth:`~hf_asymkv.core.static_store.StaticTensorStore.joined` stopped scattering a prefill's tokens within the buffer
 inductor had computed them into. Kept out of tests/core, which CI runs for four transformers releases: each compile
-costs seconds to minutes on two cores (tests/core keeps one preset).
+costs seconds to minutes on two cores (tests/core keeps one preset). The tiny model here has one layer (the bug is in
+one layer's update; inductor's time grows with the graph); the default model is compiled with 1 and all 30.
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ LOCKER = "The locker code for the blue door is 4417. Repeat the locker code for 
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
-def test_every_preset(llama, prompt, preset):
-    check_whole_forward(llama, prompt[:, :40], preset, STEPS, **SMALL)
+def test_every_preset(llama_one_layer, prompt, preset):
+    check_whole_forward(llama_one_layer, prompt[:, :40], preset, STEPS, **SMALL)
 
 
-def test_fused_attention(llama, prompt):
+def test_prefill_without_blocks(llama_one_layer, prompt):
+    """The issue's case: a prompt shorter than the sinks + window (nothing quantized in the prefill), default block
+    sizes; the decode steps then quantize the first block."""
+    check_whole_forward(llama_one_layer, prompt[:, :12], "balanced", STEPS, key_block_size=16, residual_length=16)
+
+
+def test_fused_attention(llama_one_layer, prompt):
     """``attn_implementation="asymkv_sdpa"``: the prefill (40 query tokens) takes SDPA over the dense read-out inside
     the graph, the steps read the codes (``max``: wide key channels and 1-bit values, the most parts)."""
     register_attention()
-    fused = copy.deepcopy(llama)
+    fused = copy.deepcopy(llama_one_layer)
     fused.set_attn_implementation("asymkv_sdpa")
     check_whole_forward(fused, prompt[:, :40], "max", STEPS, **SMALL)
 
@@ -103,10 +110,10 @@ def _readme_compile_snippet() -> str:
     return re.search(r"## Compile: a static cache\n.*?```python\n(.*?)```", readme, re.S).group(1)
 
 
-def test_the_readme_recipe(llama, prompt):
+def test_the_readme_recipe(llama_one_layer, prompt):
     """The README's compile section as written (``model``, ``inputs`` given): the whole forward compiled into two
     graphs, then generate: the eager static cache's tokens, and none more graphs for the next cache."""
-    model = copy.deepcopy(llama)
+    model = copy.deepcopy(llama_one_layer)
     inputs = {"input_ids": prompt[:, :40]}
     eager_cache = AsymKVCache.from_preset("balanced", model.config, max_cache_len=40 + 256)
     eager = model.generate(**inputs, **cache_kwargs(eager_cache), max_new_tokens=256, disable_compile=True)
