@@ -12,9 +12,10 @@ each with its own mask slice built on the device from the 0-d boundary and fille
 - exact: the window and this step's tokens (position ``boundary + i``), blocked past ``max_cache_len``.
 
 This is :func:`~hf_asymkv.core.static_attention.static_fused_attention`'s segmentation: the same softmax over the
-same positions. The launcher takes the region's length as a number, so the kernel reads every preallocated slot and
-the mask blocks the unfilled ones; stopping programs at the filled block count needs the kernel to take that count
-as a device tensor (a change to :mod:`hf_asymkv.kernels.triton_decode`).
+same positions. The quantized region's filled length (``boundary - S``, a 0-d tensor) goes to the kernel as a device
+pointer (``QuantizedRegion.filled``): its programs stop there (rounded up to a tile, which the mask covers), so a
+step reads the stored blocks, not every preallocated slot, and a CUDA graph replays it as the cache fills. The grid
+is still sized for every slot (shapes are fixed for the graph): programs past the filled length exit at once.
 
 Calls the kernel cannot serve (rotated keys, formats it does not read; :func:`~hf_asymkv.kernels.regions.unsupported`
 says which), or ``HF_ASYMKV_ATTENTION_BACKEND=torch``, return None: the operator then runs the torch implementation.
@@ -74,7 +75,8 @@ def static_regions(attention_mask: torch.Tensor | None, boundary: torch.Tensor, 
             row_sink = (position[None, :] >= key.overlay.anchors[:, None]) & (position[None, :] <= positions[:, -1:])
             stored = stored & ~row_sink  # [B, slots]
         mask = full[..., ns : ns + slots].masked_fill(~stored[:, None, None, :], blocked)
-        region = QuantizedRegion(_stored(key), _stored(value), start=ns, mask=mask)
+        filled = (boundary - ns).clamp(0, slots)  # 0-d, on the device: the kernel stops its splits there
+        region = QuantizedRegion(_stored(key), _stored(value), start=ns, mask=mask, filled=filled)
     held = boundary + torch.arange(key_tokens.shape[2], device=device)  # the window slots' positions
     window_mask = full.index_select(3, held.clamp(max=max_len - 1)).masked_fill(held >= max_len, blocked)
     segments.append(ExactSegment(key_tokens, value_tokens, mask=window_mask))

@@ -313,8 +313,9 @@ def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: 
         keys, key_constants = _code_args(fake, "K")
         values, value_constants = _code_args(fake, "V")
         wide, wide_constants = _wide_args(fake, dummy)
-        return ([*keys, *values, *wide, dummy, 0, 0, 0, 0, 0, 0],
-                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE, "FAST": False})
+        return ([*keys, *values, *wide, dummy, 0, 0, 0, 0, 0, 0, dummy],
+                {**key_constants, **value_constants, **wide_constants, "Q_MASK": MASK_NONE, "FAST": False,
+                 "Q_FILL": False})
     keys, key_constants = _code_args(region.keys, "K")
     values, value_constants = _code_args(region.values, "V")
     wide, wide_constants = _wide_args(region.keys, dummy)
@@ -322,8 +323,13 @@ def _quant_args(region: QuantizedRegion | None, attention_mask, q_len: int, hq: 
     if fast:  # flipped int8 codes read 128 above their value
         key_constants["K_OFFSET"] += 128 if key_constants["K_FLIP"] else 0
         value_constants["V_OFFSET"] += 128 if value_constants["V_FLIP"] else 0
-    return ([*keys, *values, *wide, *mask, region.tokens, column],
-            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode, "FAST": fast})
+    filled = region.filled
+    if filled is not None and (filled.dim() != 0 or filled.dtype.is_floating_point or filled.device != dummy.device):
+        raise ValueError(f"the quantized region's filled count must be a 0-d integer tensor on {dummy.device}, got "
+                         f"{filled.dtype} of shape {tuple(filled.shape)} on {filled.device}.")
+    return ([*keys, *values, *wide, *mask, region.tokens, column, dummy if filled is None else filled],
+            {**key_constants, **value_constants, **wide_constants, "Q_MASK": mode, "FAST": fast,
+             "Q_FILL": filled is not None})
 
 
 def _wide_args(keys: StoredCodes, dummy: torch.Tensor) -> tuple[list, dict]:

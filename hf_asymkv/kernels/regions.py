@@ -85,12 +85,17 @@ class StoredCodes:
 @dataclass(frozen=True)
 class QuantizedRegion:
     """Quantized K and V of the same ``N`` tokens; mask columns ``[start, start + N)`` unless ``mask`` is given
-    (``[B|1, 1|Hq, q, N]``, bool or additive)."""
+    (``[B|1, 1|Hq, q, N]``, bool or additive).
+
+    ``filled``: a 0-d integer tensor on the codes' device, how many of the ``N`` tokens are stored (a static cache's
+    preallocated slots); the kernel reads none past it, rounded up to its tile (the mask must still block the rest
+    of that tile). Read on the device only: a CUDA graph replays the launch as the count grows. None: all ``N``."""
 
     keys: StoredCodes
     values: StoredCodes
     start: int = 0
     mask: torch.Tensor | None = None
+    filled: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:

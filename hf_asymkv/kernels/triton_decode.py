@@ -254,7 +254,7 @@ def partial_attention_kernel(
     vc_ptr, svc_b, svc_h, svc_t, svc_d, vs_ptr, vz_ptr, svs_b, svs_h, svs_t, svs_d,
     # the keys' wide channels (hf_asymkv.core.wide): high bits [B, H, N, WIDE_BYTES], indices [B, H, N // TG, WIDE]
     kw_ptr, skw_b, skw_h, skw_t, skw_p, kwc_ptr, skwc_b, skwc_h, skwc_n, skwc_r,
-    qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_n, q_col, q_splits,
+    qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_n, q_col, q_fill_ptr, q_splits,
     # exact segments 1 and 2: keys, values, mask
     ak_ptr, sak_b, sak_h, sak_t, sak_d, av_ptr, sav_b, sav_h, sav_t, sav_d, am_ptr, sam_b, sam_h, sam_q, sam_k,
     a_n, a_col, a_splits,
@@ -262,7 +262,7 @@ def partial_attention_kernel(
     b_n, b_col,
     tiles_per_split, n_splits, heads_kv, n_rep, q_len, kv_len, qk_scale, unrotate_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr,
-    HAS_QUANT: tl.constexpr, N_EXACT: tl.constexpr, Q_MASK: tl.constexpr, A_MASK: tl.constexpr,
+    HAS_QUANT: tl.constexpr, N_EXACT: tl.constexpr, Q_FILL: tl.constexpr, Q_MASK: tl.constexpr, A_MASK: tl.constexpr,
     B_MASK: tl.constexpr,
     K_KIND: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr, K_OFFSET: tl.constexpr, K_PB: tl.constexpr,
     K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
@@ -274,7 +274,9 @@ def partial_attention_kernel(
 ):
     """Grid ``(B * heads_kv, n_splits)``: splits ``[0, q_splits)`` cover the quantized region, the next
     ``a_splits`` exact segment 1, the rest exact segment 2. Writes ``acc`` ``[B * H, n_splits, R, D]`` and
-    ``m``, ``l`` ``[B * H, n_splits, R]`` (float32, ``R = n_rep * q_len``). With ``FAST`` the quantized region takes
+    ``m``, ``l`` ``[B * H, n_splits, R]`` (float32, ``R = n_rep * q_len``). With ``Q_FILL`` the quantized region's
+    splits stop at the count ``q_fill_ptr`` holds (rounded up to a tile; a split past it writes an empty partial,
+    max -inf, which the merge weighs 0). With ``FAST`` the quantized region takes
     :func:`~.triton_codes.fast_split` (``K_*``/``V_*`` offsets and flips as it reads them), else
     :func:`_quant_split`. With ``ROTATED`` a quantized split's output, mixed from values stored as ``V H``, is rotated
     back before it is written, ``acc H^T`` with ``H = S * unrotate_scale``: every partial is then in the model's
@@ -296,6 +298,9 @@ def partial_attention_kernel(
         if HAS_QUANT:
             start = pid_s * span
             stop = tl.minimum(start + span, q_n)
+            if Q_FILL:  # stored tokens only (a static cache's filled slots), whole tiles: later splits read nothing
+                filled = tl.load(q_fill_ptr).to(tl.int32)
+                stop = tl.minimum(stop, (filled + TILE - 1) // TILE * TILE)
             if FAST:
                 acc, m_i, l_i = fast_split(
                     q, kc_ptr + b * skc_b + h * skc_h, skc_t, ks_ptr + b * sks_b + h * sks_h,

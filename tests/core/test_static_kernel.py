@@ -55,6 +55,30 @@ def test_the_kernel_equals_the_torch_implementation(name, monkeypatch):
         assert got.shape == expected.shape and sqnr_db(expected, got) >= FLOAT32_DB
 
 
+def test_slots_past_the_filled_length_are_not_read(monkeypatch):
+    """Issue 38: the kernel stops at the stored blocks (the 0-d boundary, read on the device), not at the preallocated
+    slots. The scales of every slot past the filled length are made NaN after the expected output is computed: a
+    kernel that read them would return NaN (a NaN score is not hidden by the mask)."""
+    monkeypatch.setenv(BACKEND_VAR, "triton")
+    checked = 0
+    for q, key, value, mask in _some_steps(CONFIGS["balanced"], steps=40, every=4):
+        filled = int(key.boundary) - key.store.sink_count
+        if not 0 < filled < key.store.codes.shape[2]:
+            continue
+        expected = static_fused_attention(q, key, value, mask, 0.25)
+        saved = [(store, store.scales.clone()) for store in (key.store, value.store)]
+        try:
+            for store, _ in saved:
+                store.scales[:, :, filled // store.spec.token_group :] = float("nan")
+            got = static_attention_triton(*static_attention_args(q, key, value, mask, 0.25))
+        finally:
+            for store, scales in saved:
+                store.scales.copy_(scales)
+        assert torch.isfinite(got).all() and sqnr_db(expected, got) >= FLOAT32_DB
+        checked += 1
+    assert checked >= 2
+
+
 def test_several_query_tokens_and_no_mask(monkeypatch):
     """Three query tokens per step (a speculative step), causal from the filled length when no mask is given."""
     monkeypatch.setenv(BACKEND_VAR, "triton")
