@@ -18,6 +18,9 @@ RUN=(hf-asymkv eval lm-eval --max-length 4096 --stop-when-scored --threads 1)
 #    loaded CPU slot finished in 100 min (2026-12-05); raise --limit to extend (the answers held are reused).
 "${RUN[@]}" --apply-chat-template --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --limit 10 \
     --out results/ruler/smollm2
+#    Extended to 15 samples per task on 2026-12-06 (two threads; the 10 held were reused):
+"${RUN[@]}" --apply-chat-template --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 --limit 15 \
+    --threads 2 --out results/ruler/smollm2
 
 # 3. Gemma-3-270M (a base model: no chat template) on the four needle tasks its pilot scored above chance on: every
 #    default scheme, 5 samples per task (2026-12-06; seeded with the pilot's full-precision answers, which the store
