@@ -1,5 +1,6 @@
 """Plain helpers shared by several test modules (fixtures live in conftest.py)."""
 
+import copy
 import dataclasses
 import importlib.util
 import warnings
@@ -80,6 +81,21 @@ def check_generate_compile(model, prompt: torch.Tensor, preset: str, steps: int,
     again = _generate(model, prompt, static(), steps, True)
     assert not counters["stats"]["unique_graphs"]  # a new cache of the same shape reuses the graph
     assert torch.equal(compiled, eager) and torch.equal(compiled, dynamic) and torch.equal(again, compiled)
+
+
+def first_layers(model, layers: int):
+    """A copy of ``model`` with its first ``layers`` decoder layers (``model`` keeps all of them): the default model's
+    shapes and weights at a compile's fraction of the cost."""
+    kept = model.model.layers
+    model.model.layers = kept[:layers]
+    try:
+        cut = copy.deepcopy(model)
+    finally:
+        model.model.layers = kept
+    cut.config.num_hidden_layers = layers
+    if getattr(cut.config, "layer_types", None):
+        cut.config.layer_types = cut.config.layer_types[:layers]
+    return cut
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -185,9 +185,9 @@ class StaticTensorStore:
         b, h, w, d = tokens.shape
         ns, slots = self.sink_count, self.codes.shape[2]
         position = torch.arange(max_len, device=tokens.device)
-        out = tokens.new_zeros(b, h, max_len, d)  # filler past the last slot
-        if slots:
-            out = F.pad(self._decode(tokens.dtype), (0, 0, ns, max_len - ns - slots))
+        # the decoded blocks at their positions, 0 (filler) elsewhere
+        out = F.pad(self._decode(tokens.dtype), (0, 0, ns, max_len - ns - slots)) if slots else \
+            tokens.new_zeros(b, h, max_len, d)
         if ns:
             out = torch.where((position < ns)[:, None], F.pad(self.sinks, (0, 0, 0, max_len - ns)), out)
         source = position - boundary

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FIRST_PLAIN_TOKEN
-from helpers import check_generate_compile
+from helpers import check_generate_compile, first_layers
 
 STEPS = 32
 
@@ -20,12 +20,8 @@ def test_default_model_compiled_decode_equals_eager(attention):
     from hf_asymkv.models import load_model
 
     register_attention()
-    model, _ = load_model()
+    model = first_layers(load_model()[0], 2)
     model.set_attn_implementation(attention)  # asymkv_sdpa: the compiled step attends over the codes
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:2]
     model.generation_config.eos_token_id = None  # 32 steps whatever the model says
     prompt = torch.randint(FIRST_PLAIN_TOKEN, 2000, (1, 40), generator=torch.Generator().manual_seed(0))
     check_generate_compile(model, prompt, "compact", STEPS, key_block_size=8, residual_length=8)

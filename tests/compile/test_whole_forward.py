@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from helpers import check_whole_forward, manual_greedy, relative_error
+from helpers import check_whole_forward, first_layers, manual_greedy, relative_error
 from torch._dynamo.utils import counters
 
 from hf_asymkv import PRESETS, AsymKVCache, cache_kwargs, register_attention
@@ -55,20 +55,6 @@ def default_model():
         pytest.skip(str(exc))
 
 
-def _cut(model, layers: int):
-    """A copy of ``model`` with its first ``layers`` decoder layers (the fixture's model keeps all of them)."""
-    kept = model.model.layers
-    model.model.layers = kept[:layers]
-    try:
-        cut = copy.deepcopy(model)
-    finally:
-        model.model.layers = kept
-    cut.config.num_hidden_layers = layers
-    if getattr(cut.config, "layer_types", None):
-        cut.config.layer_types = cut.config.layer_types[:layers]
-    return cut
-
-
 def _locker_prompt(tokenizer) -> torch.Tensor:
     messages = [{"role": "user", "content": LOCKER}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -82,7 +68,7 @@ def test_default_model_one_layer(default_model):
     cold compile costs 40 s or more per preset on two cores."""
     model, _ = default_model
     g = torch.Generator().manual_seed(0)
-    check_whole_forward(_cut(model, 1), torch.randint(3, 2000, (1, 40), generator=g), "max", STEPS, **SMALL)
+    check_whole_forward(first_layers(model, 1), torch.randint(3, 2000, (1, 40), generator=g), "max", STEPS, **SMALL)
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ Both sides read the same codes, so the difference is float rounding only: SQNR >
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_cases import PAD, build, formats, padded_causal_mask, reference, specs, stored
@@ -98,6 +100,16 @@ def test_a_tile_that_does_not_fit_the_key_group_is_refused(tile):
     # balanced's key scale group is its 128-token block: the fast path's default tile (the generic path's is 64)
     with pytest.raises(ValueError, match=f"tile of {tile} tokens: a power of two >= 16 dividing 128 expected"):
         _preset("balanced", launch=LaunchConfig(tile=tile))
+
+
+@pytest.mark.parametrize("filled", [torch.tensor(128.0), torch.tensor([128])], ids=["float", "not-0-d"])
+def test_a_filled_count_that_is_not_a_0d_integer_tensor_is_refused(filled):
+    config, block = FORMATS["balanced"]
+    region, segments, k, _ = build(*specs(config, 64), block, blocks=1)
+    query = torch.randn(2, k.shape[1], 1, 64)
+    with pytest.raises(ValueError, match="filled count must be a 0-d integer tensor on cpu, got torch.(float32 of "
+                                         r"shape \(\)|int64 of shape \(1,\)) on cpu"):
+        decode_attention(query, 0.125, quantized=dataclasses.replace(region, filled=filled), exact=segments)
 
 
 def test_pipeline_stages_follow_the_h200_sweep():
