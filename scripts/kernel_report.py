@@ -56,6 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--head-dims must be in [1, 256], got {bad}")
     if args.baseline is not None and not args.baseline.is_file():
         p.error(f"--baseline {args.baseline}: no such file (an earlier kernel_report.json expected)")
+    if args.baseline is not None:  # read before the compiles, so that a wrong file fails in a second, not minutes
+        try:
+            args.baseline_figures = kr.baseline(args.baseline)
+        except ValueError as exc:
+            p.error(f"--baseline {exc}")
     if args.context < 512:
         p.error(f"--context must be >= 512 (every preset then quantizes blocks), got {args.context}")
     try:
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"meta": meta, "cards": [dict(name=c.name, arch=c.arch, budget=c.budget) for c in kr.CARDS],
               "targets": kr.TARGETS, "rows": rows}
     if args.baseline is not None:
-        report["baseline"] = kr.baseline(args.baseline)
+        report["baseline"] = args.baseline_figures
     paths = kr.write(args.out, report)
     if args.guard_into is not None:
         paths.append(kr.record_guard(args.guard_into, report))

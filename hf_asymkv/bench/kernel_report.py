@@ -292,8 +292,12 @@ def baseline(path) -> dict:
     import json
     from pathlib import Path
 
-    earlier = json.loads(Path(path).read_text())
-    return {"meta": earlier["meta"], "per_byte": {r["name"]: r["per_byte"] for r in earlier["rows"]}}
+    try:
+        earlier = json.loads(Path(path).read_text())
+        return {"meta": earlier["meta"], "per_byte": {r["name"]: r["per_byte"] for r in earlier["rows"]}}
+    except (ValueError, KeyError, TypeError) as error:  # not JSON, or JSON of another shape (e.g. the guard file)
+        raise ValueError(f"{path}: not a kernel_report.json (expected 'meta' and 'rows' with each configuration's "
+                         f"'name' and 'per_byte'): {error!r}") from None
 
 
 def record_guard(path, report: dict):

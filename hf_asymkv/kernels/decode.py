@@ -133,7 +133,9 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     rows = hq // heads * q_len
     kv_len = max(r.start + r.tokens for r in regions) if kv_len is None else kv_len
     launch = launch or _DEFAULT_LAUNCH
-    d_pad, r_pad = _pow2(head_dim), _pow2(rows)
+    # query rows pad to 4, not to a product's 16: Triton pads the product itself, and every row-wise step of the
+    # online softmax (max, exp2, sums, rescaling) then runs on 4 rows, not 16 (kernel_report.md)
+    d_pad, r_pad = _pow2(head_dim), _pow2(rows, least=4)
     fast = quantized is not None and fast_path(quantized, d_pad)
     tile = launch.tile_for(quantized, FAST_MAX_TILE if fast else MAX_TILE)
     fast = fast and fast_path(quantized, d_pad, tile)
@@ -144,7 +146,8 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     n_splits = sum(splits)
     acc = torch.empty(b * heads, n_splits, rows, head_dim, dtype=torch.float32, device=query.device)
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
-    num_warps = launch.num_warps or (4 if d_pad * r_pad <= 4096 else 8)
+    small = d_pad * r_pad <= 4096  # query rows x channels: the accumulator a program holds
+    num_warps = launch.num_warps or ((fast_warps(tile) if fast else 4) if small else 8)
     stages = launch.num_stages or pipeline_stages(tile)
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
@@ -162,7 +165,7 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
         ASM=not INTERPRETED, QDOT=_code_dot_dtype(query), ROTATED=rotated, LOG2_BLOCK=block.bit_length() - 1,
-        num_warps=num_warps, num_stages=stages, **constants))
+        num_warps=num_warps, num_stages=stages, **constants, **codes_left(quantized, tile, num_warps, fast)))
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
     s_pad = max(2, _pow2(n_splits, least=1))
     chunk = max(16, min(d_pad, MERGE_ELEMENTS // s_pad))
@@ -178,7 +181,7 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
 class LaunchConfig:
     """Launch settings of the partial-attention kernel; None keeps the default (what the launcher picks)."""
 
-    num_warps: int | None = None  # default: 4, or 8 for more than 4096 query rows x channels
+    num_warps: int | None = None  # default: 4 (fast path: fast_warps), 8 for more than 4096 query rows x channels
     num_stages: int | None = None  # software-pipeline depth; default: pipeline_stages(tile)
     tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
@@ -196,6 +199,26 @@ class LaunchConfig:
 
 
 _DEFAULT_LAUNCH = LaunchConfig()  # made once: the decode step's path builds nothing it does not need
+
+
+def fast_warps(tile: int) -> int:
+    """Warps per program on the fast path: at most 4, and at least 16 tokens of a tile per warp (a 32-token tile of
+    ``lean`` takes 2). Split further, a warp's share of a tile is less than one matrix-product fragment and the
+    per-tile steps shared by all warps (row max and sums across warps, barriers) outweigh it: ``lean`` issues 0.25
+    warp instructions per byte with 2 warps, 0.34 with 4 (sm_90a, kernel_report.md)."""
+    return max(1, min(4, tile // 16))
+
+
+def codes_left(region: QuantizedRegion | None, tile: int, num_warps: int, fast: bool) -> dict[str, bool]:
+    """The fast path's ``K_LEFT`` and ``V_LEFT``: whether the key and value codes are the left operand of their matrix
+    products (tokens or channels on the product's M side, query rows on N), chosen by what compiles to fewer
+    instructions per byte on sm_90a without spilling (kernel_report.md). Values, the product ``V^T @ P^T``: its 4 query
+    rows pad to an 8-wide fragment instead of a 16-row one. Keys when every warp holds a whole 16-token fragment of
+    the tile. Neither for keys with wide channels (``compact``, ``max``): their small product per tile stays in the
+    query-rows orientation, and with the values' product turned the kernel spilled 8 B."""
+    if not fast or region is None:
+        return {"K_LEFT": False, "V_LEFT": False}
+    return {"K_LEFT": tile >= 16 * num_warps and region.keys.wide_bits is None, "V_LEFT": region.keys.wide_bits is None}
 
 
 def pipeline_stages(tile: int) -> int:

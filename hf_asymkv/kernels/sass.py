@@ -5,8 +5,8 @@ Triton compiles for any CUDA target on a CPU-only machine: its JIT asks the acti
 stub driver that answers ``("cuda", capability)`` (:func:`cuda_target`) makes ``kernel.warmup(...)`` compile exactly
 what a launch with the same arguments would compile on that card (capability 90 is compiled as ``sm_90a``). The
 wheel ships NVIDIA's ``cuobjdump``: the SASS (:func:`disassemble`) and the resource usage (registers, local memory,
-static shared memory). The main loop of a kernel is the body of its largest backward branch (:func:`main_loop`): in
-the partial-attention kernel, the tile loop over the quantized region.
+static shared memory). A loop is the body of a backward branch; the one counted is the tile loop over the quantized
+region (:func:`code_loop`), not the exact segments' loops, which can be as long.
 
 Imports Triton when called, nothing else of the package. Kernels must have been defined without
 ``TRITON_INTERPRET=1`` (the report runs in a process of its own).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ARCHES", "CLASSES", "SHARED_LIMIT_BYTES", "CompiledStats", "classify", "compile_launch", "cuda_target",
-           "disassemble", "instructions", "main_loop", "REGISTER_CAP", "resource", "stats"]
+           "code_loop", "disassemble", "instructions", "loops", "main_loop", "REGISTER_CAP", "resource", "stats"]
 
 ARCHES = {"sm_90a": 90, "sm_89": 89, "sm_80": 80}
 """Targets of the report: H100/H200, RTX 4090/L40, A100."""
@@ -51,10 +51,15 @@ _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)")
 
 
+def _opcode(instruction: str) -> str:
+    """The opcode of one SASS instruction without its predicate and modifiers (``"@P0 LDG.E.128 ..."``: ``LDG``)."""
+    opcode = instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]
+    return opcode.split(".")[0]
+
+
 def classify(instruction: str) -> str:
     """The class (one of :data:`CLASSES`) of one SASS instruction, e.g. ``"@P0 LDG.E.128 R4, desc[UR4][R2.64]"``."""
-    opcode = instruction.split()[1] if instruction.startswith("@") else instruction.split()[0]
-    base = opcode.split(".")[0]
+    base = _opcode(instruction)
     kind = _OPCODE_CLASS.get(base)
     if kind is None and base.startswith("U"):
         kind = _OPCODE_CLASS.get(base[1:])
@@ -122,20 +127,33 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return found
 
 
-def main_loop(sass: str) -> list[str]:
-    """The instructions of the largest loop: from the target of a backward branch to the branch itself (an inner loop
-    is counted once). Empty when the kernel has no loop."""
+def loops(sass: str) -> list[list[str]]:
+    """The instructions of every loop: from the target of a backward branch to the branch itself, in address order
+    of the branches (an inner loop is also inside its outer one)."""
     listing = instructions(sass)
-    best: tuple[int, int] | None = None
+    found = []
     for address, text in listing:
         match = _BRANCH.match(text)
         if match and int(match.group(1), 16) <= address:
-            span = (int(match.group(1), 16), address)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
-    if best is None:
-        return []
-    return [text for address, text in listing if best[0] <= address <= best[1]]
+            start = int(match.group(1), 16)
+            found.append([t for a, t in listing if start <= a <= address])
+    return found
+
+
+def main_loop(sass: str) -> list[str]:
+    """The instructions of the largest loop (an inner loop is counted once). Empty when the kernel has no loop."""
+    return max(loops(sass), key=len, default=[])
+
+
+def code_loop(sass: str) -> list[str]:
+    """The tile loop over stored codes: the loop with the most ``PRMT`` (the byte permutes of the magic-number
+    conversion, which every fast-path format issues and the exact segments' loops do not), the largest of those
+    tied; :func:`main_loop` when no loop has one (the generic path unpacks with shifts)."""
+    def permutes(body):
+        return sum(1 for text in body if _opcode(text) == "PRMT")
+    found = loops(sass)
+    best = max(found, key=lambda body: (permutes(body), len(body)), default=[])
+    return best if best and permutes(best) else main_loop(sass)
 
 
 @dataclass(frozen=True)
@@ -173,7 +191,7 @@ def stats(compiled) -> CompiledStats:
     usage = _cuobjdump(cubin, "--dump-resource-usage")
     sass = disassemble(cubin)
     spills = sum(1 for _, text in instructions(sass) if classify(text) == "other" and re.search(r"\b(LDL|STL)\b", text))
-    loop = Counter(classify(text) for text in main_loop(sass))
+    loop = Counter(classify(text) for text in code_loop(sass))
     return CompiledStats(registers=resource(usage, "REG"),
                          local_bytes=resource(usage, "LOCAL") + resource(usage, "STACK"), spill_instructions=spills,
                          shared_bytes=resource(usage, "SHARED") + int(compiled.metadata.shared),

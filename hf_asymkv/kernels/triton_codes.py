@@ -107,6 +107,24 @@ def _dot(a, b, QDOT: tl.constexpr):
 
 
 @triton.jit
+def _scores(qs, x, QDOT: tl.constexpr, LEFT: tl.constexpr):
+    """``qs @ x^T`` ``[R, T]`` (float32) for query rows ``qs`` ``[R, C]`` and code operands ``x`` ``[T, C]``; with
+    ``LEFT`` computed as ``(x @ qs^T)^T``: the codes on the product's M side."""
+    if LEFT:
+        return tl.trans(_dot(x, tl.trans(qs), QDOT))
+    return _dot(qs, tl.trans(x), QDOT)
+
+
+@triton.jit
+def _mix(w, x, acc, QDOT: tl.constexpr, LEFT: tl.constexpr):
+    """``acc + w @ x`` ``[R, D]`` for weights ``w`` ``[R, T]`` and code operands ``x`` ``[T, D]``; with ``LEFT``
+    computed as ``(x^T @ w^T + acc^T)^T``."""
+    if LEFT:
+        return tl.trans(mma(tl.trans(x), tl.trans(w), tl.trans(acc), QDOT))
+    return mma(w, x, acc, QDOT)
+
+
+@triton.jit
 def mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len, kv_len, MODE: tl.constexpr):
     """Additive log2-domain bias ``[R, T]`` of the mask at (row's query head and position, column); -inf where
     ``valid`` is false. Modes: 0 none, 1 bool, 2 additive, 3 causal (bottom-right aligned)."""
@@ -127,20 +145,21 @@ def mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len
 
 @triton.jit
 def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr):
+                W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
+                LEFT: tl.constexpr):
     """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes:
     plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums of ``qs`` as rounded for
     the product."""
     if not PACKED:  # 8-bit codes: exact operands (the flipped code's offset taken off in fp16), no row sum needed
         x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
-        return _dot(qs, tl.trans(x), QDOT)
+        return _scores(qs, x, QDOT, LEFT)
     x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
-    raw = _dot(qs, tl.trans(x), QDOT)
+    raw = _scores(qs, x, QDOT, LEFT)
     scores = (raw - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
     if W1 > 0:
         start: tl.constexpr = PB * W0 // 8
         x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
-        scores += (_dot(qs, tl.trans(x), QDOT) - MAGIC * sq[:, None]) * _pow2(W0 - shift)[None, :]
+        scores += (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(W0 - shift)[None, :]
     return scores
 
 
@@ -169,25 +188,27 @@ def _wide_scores(qs32, kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok,
 
 @triton.jit
 def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
-               W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr):
-    """``(acc + w . X, sum of the rounded weights' magic share)`` for the tile's value codes: ``w = p * scale *
-    2**-shift`` per plane set (rounded to ``QDOT``), ``X`` the plane set's ``1024 + field * 2**shift``. Returns the
-    new accumulator and ``-1024 * sum_t w`` per row (to add to the row's constant)."""
+               W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
+               LEFT: tl.constexpr):
+    """``(acc + w . X, the rounded weights' magic share)`` for the tile's value codes: ``w = p * scale * 2**-shift``
+    per plane set (rounded to ``QDOT``), ``X`` the plane set's ``1024 + field * 2**shift``. Returns the new
+    accumulator and ``-1024 * w`` ``[R, T]`` summed over plane sets (the caller sums it over tokens with the row's other
+    per-token terms: one reduction across the tile's warps, not one per term)."""
     x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
     weights = p * vs[None, :]
     if PACKED:
         w = (weights * _pow2(-shift)[None, :]).to(QDOT)
     else:
         w = weights.to(QDOT)
-    acc = mma(w, x, acc, QDOT)
-    magic = tl.sum(w.to(tl.float32), 1)
+    acc = _mix(w, x, acc, QDOT, LEFT)
+    magic = w.to(tl.float32)
     if W1 > 0:
         start: tl.constexpr = PB * W0 // 8
         x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
         w = (weights * _pow2(W0 - shift)[None, :]).to(QDOT)
-        acc = mma(w, x, acc, QDOT)
-        magic += tl.sum(w.to(tl.float32), 1)
-    return acc, -MAGIC * magic
+        acc = _mix(w, x, acc, QDOT, LEFT)
+        magic += w.to(tl.float32)
+    return acc, magic * -MAGIC  # the tensor first: under the interpreter, constexpr * tensor stays a constexpr
 
 
 @triton.jit
@@ -200,7 +221,7 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
                K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
                K_OFFSET: tl.constexpr, V_PACKED: tl.constexpr, V_FLIP: tl.constexpr, V_W0: tl.constexpr,
                V_W1: tl.constexpr, V_PB: tl.constexpr, V_ZERO: tl.constexpr, V_OFFSET: tl.constexpr,
-               K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr):
+               K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr):
     """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles, ``TILE`` dividing the key scale group
     ``K_TG`` and the packing blocks): ``(acc [R, D], m [R], l [R])`` (the values' per-row constant already added).
 
@@ -226,10 +247,10 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
             const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
         if K_PACKED:
             scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
-                                 HEAD_DIM, K_W0, K_W1, K_PB, 0, True)
+                                 HEAD_DIM, K_W0, K_W1, K_PB, 0, True, K_LEFT)
         else:
             scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
-                                 False)
+                                 False, K_LEFT)
         if K_WIDE > 0:
             wide, wide_const = _wide_scores(qs.to(tl.float32), kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, t0 + tok, ASM,
                                             QDOT, K_TG, K_W0 + K_W1, K_WIDE, K_WIDE_PAD, K_OFFSET > 0)
@@ -248,12 +269,12 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
         if V_PACKED:
             acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % V_PB) * svc_t, t0 % V_PB + tok,
-                                         ch, svc_t, vs, ASM, QDOT, HEAD_DIM, V_W0, V_W1, V_PB, 0, True)
+                                         ch, svc_t, vs, ASM, QDOT, HEAD_DIM, V_W0, V_W1, V_PB, 0, True, V_LEFT)
         else:
             acc, magic = _value_products(p, acc * alpha[:, None], vc_base + t0 * svc_t, tok, ch, svc_t, vs, ASM, QDOT,
-                                         HEAD_DIM, 8, 0, 1, V_FLIP, False)
+                                         HEAD_DIM, 8, 0, 1, V_FLIP, False, V_LEFT)
         zero = -V_OFFSET * vs
         if V_ZERO:
             zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
-        z_i = z_i * alpha + magic + tl.sum(p * zero[None, :], 1)
+        z_i = z_i * alpha + tl.sum(magic + p * zero[None, :], 1)
     return acc + z_i[:, None], m_i, l_i

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from helpers import load_script
@@ -48,6 +49,13 @@ def test_bad_flags_exit_with_a_message(script, case, capsys):
     with pytest.raises(SystemExit):
         script.parse_args(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_baseline_of_another_shape_is_refused_before_compiling(script, capsys):
+    guard = Path(__file__).resolve().parents[2] / "results" / "gpu" / "kernel_guard.json"  # JSON, not a report
+    with pytest.raises(SystemExit):
+        script.parse_args(["--baseline", str(guard)])
+    assert re.search(r"--baseline .*kernel_guard\.json: not a kernel_report\.json .*'meta'", capsys.readouterr().err)
 
 
 def _row(preset: str, per_byte: float) -> dict:

@@ -65,3 +65,28 @@ def test_cuda_target_answers_the_capability():
     with sass.cuda_target(89):
         target = driver.active.get_current_target()
         assert (target.backend, target.arch, target.warp_size) == ("cuda", 89, 32)
+
+
+def test_loops_are_every_backward_branch():
+    found = sass.loops(LISTING)
+    assert [len(body) for body in found] == [6, 11]  # the inner loop (0x40..0x90), then the outer (0x20..0xc0)
+
+
+# two loops of equal length: a code loop (PRMT, the magic-number conversion) and an exact segment's loop (none)
+TWO_LOOPS = """
+        /*0000*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0010*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+        /*0020*/                   IADD3 R2, R2, 0x80, RZ ;
+        /*0030*/              @!P0 BRA 0x0 ;
+        /*0040*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0050*/                   PRMT R9, R5, 0x5140, R9 ;
+        /*0060*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+        /*0070*/              @!P1 BRA 0x40 ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_code_loop_is_the_loop_that_converts_codes():
+    assert sass.code_loop(TWO_LOOPS)[1] == "PRMT R9, R5, 0x5140, R9"  # not the first loop, as long
+    assert sass.code_loop(TWO_LOOPS.replace("PRMT R9, R5, 0x5140, R9", "MOV R9, R5")) == sass.loops(TWO_LOOPS)[0]
+    assert len(sass.code_loop(LISTING)) == 11  # the PRMT is in both nested loops: the longer one
