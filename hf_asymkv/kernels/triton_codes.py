@@ -226,7 +226,9 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
     ``K_TG`` and the packing blocks): ``(acc [R, D], m [R], l [R])`` (the values' per-row constant already added).
 
     Code offsets (``K_OFFSET``, ``V_OFFSET``): what to subtract from the stored unsigned code to get the code the scale
-    multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0)."""
+    multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0). ``K_LEFT`` and
+    ``V_LEFT`` put the codes on the left of their products (:func:`_scores`, :func:`_mix`): the same sums, laid out
+    differently by the compiler; the launcher picks them per format (``hf_asymkv.kernels.decode.codes_left``)."""
     ch = tl.arange(0, HEAD_DIM)
     tok = tl.arange(0, TILE)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
