@@ -14,7 +14,14 @@ from kernel_cases import PAD, build, formats, padded_causal_mask, reference, spe
 
 from hf_asymkv.core.presets import PRESETS
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
-from hf_asymkv.kernels.decode import LaunchConfig, decode_attention, launch_decode_attention, pipeline_stages
+from hf_asymkv.kernels.decode import (
+    LaunchConfig,
+    codes_left,
+    decode_attention,
+    fast_warps,
+    launch_decode_attention,
+    pipeline_stages,
+)
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
 FLOAT32_DB = 60.0
@@ -117,6 +124,18 @@ def test_pipeline_stages_follow_the_h200_sweep():
     # shared memory with 64-token tiles; 128-token tiles take 1 like 64 (2 stages would not fit sm_89's shared
     # memory, kernel_report.md)
     assert [pipeline_stages(t) for t in (128, 64, 32, 16)] == [1, 1, 2, 2]
+
+
+def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
+    # results/gpu/kernel_report.md (sm_90a): at least 16 tokens of a tile per warp; codes on the left of their
+    # products except for keys with wide channels, keys only where each warp holds whole 16-token fragments
+    assert [fast_warps(t) for t in (128, 64, 32, 16)] == [4, 4, 2, 1]
+    plain, wide = (dataclasses.make_dataclass("Keys", ["wide_bits"])(bits) for bits in (None, torch.zeros(1)))
+    region = dataclasses.make_dataclass("Region", ["keys"])
+    assert codes_left(region(plain), 128, 4, True) == {"K_LEFT": True, "V_LEFT": True}
+    assert codes_left(region(plain), 32, 4, True) == {"K_LEFT": False, "V_LEFT": True}  # 8 tokens per warp
+    assert codes_left(region(wide), 64, 4, True) == {"K_LEFT": False, "V_LEFT": False}
+    assert codes_left(region(plain), 128, 4, False) == {"K_LEFT": False, "V_LEFT": False}  # the generic path
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
