@@ -39,7 +39,8 @@ def hadamard_block(dim: int) -> int:
     return dim & -dim
 
 
-def _sylvester(dim: int, dtype: torch.dtype) -> torch.Tensor:
+@functools.lru_cache(maxsize=32)
+def _hadamard_cpu(dim: int, dtype: torch.dtype) -> torch.Tensor:
     block = hadamard_block(dim)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < block:  # Sylvester: [[H, H], [H, -H]]
@@ -48,20 +49,15 @@ def _sylvester(dim: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.block_diag(*[h] * (dim // block)).to(dtype)
 
 
-_MATRICES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-"""Built matrices by (dim, dtype, device). A plain dict, not ``functools.lru_cache``: a compiled graph that reads a
-matrix found here holds it as a constant, where dynamo ignores an lru_cache and traced the construction (seven
-concatenations and a block_diag) into every call of the graph."""
-
-
 def hadamard(dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """The orthonormal ``[dim, dim]`` (block-)Hadamard matrix, in ``dtype`` on ``device`` (CPU by default; built once
-    per (dim, dtype, device))."""
-    key = (dim, dtype, torch.device("cpu" if device is None else device))
-    found = _MATRICES.get(key)
-    if found is None:
-        found = _MATRICES[key] = _sylvester(dim, dtype).to(key[2])
-    return found
+    """The orthonormal ``[dim, dim]`` (block-)Hadamard matrix, in ``dtype`` on ``device`` (cached per device)."""
+    h = _hadamard_cpu(dim, dtype)
+    return h if device is None or torch.device(device) == h.device else _hadamard_on(dim, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_on(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _hadamard_cpu(dim, dtype).to(device)
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +92,7 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
 def _signs_cpu(dim: int) -> torch.Tensor:
     """``S = sqrt(b) H`` as int8 (entries -1, 0, +1; ``b`` the block size), transposed for ``c @ S^T``."""
     block = hadamard_block(dim)
-    return (hadamard(dim, torch.float64) * math.sqrt(block)).round().to(torch.int8).T.contiguous()
+    return (_hadamard_cpu(dim, torch.float64) * math.sqrt(block)).round().to(torch.int8).T.contiguous()
 
 
 @torch.library.custom_op("hf_asymkv::signs_product", mutates_args=())

@@ -51,23 +51,6 @@ def test_the_butterfly_is_the_rotation(dim):
     assert sqnr_db(rotate(x.float()).double(), y.double()) > 130
 
 
-def test_a_compiled_graph_holds_the_matrix_as_a_constant():
-    """Under torch.compile the matrix is one graph input, not rebuilt in the graph at every call (dynamo ignores an
-    lru_cache: it traced the Sylvester construction, seven concatenations, into the graph)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    x = torch.randn(3, 64)
-    compiled = torch.compile(lambda t: unrotate(rotate(t)), backend=capture, fullgraph=True)
-    assert torch.allclose(compiled(x), x, atol=1e-5)
-    ops = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
-    assert torch.cat not in ops and torch.functional.block_diag not in ops, ops
-    assert hadamard(64) is hadamard(64)  # one matrix per (dim, dtype, device)
-
-
 def _filled(vspec: QuantSpec, kspec: QuantSpec | None = None, sinks: int = 3, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     kspec = kspec or QuantSpec("int8", "channel", scale_dtype=torch.bfloat16)
