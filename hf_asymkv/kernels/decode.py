@@ -216,9 +216,8 @@ def codes_left(region: QuantizedRegion | None, tile: int, num_warps: int, fast: 
     rows pad to an 8-wide fragment instead of a 16-row one. Keys when every warp holds a whole 16-token fragment of
     the tile. Neither for keys with wide channels (``compact``, ``max``): their small product per tile stays in the
     query-rows orientation, and with the values' product turned the kernel spilled 8 B."""
-    if not fast or region is None:
-        return {"K_LEFT": False, "V_LEFT": False}
-    return {"K_LEFT": tile >= 16 * num_warps and region.keys.wide_bits is None, "V_LEFT": region.keys.wide_bits is None}
+    plain = fast and region is not None and region.keys.wide_bits is None
+    return {"K_LEFT": plain and tile >= 16 * num_warps, "V_LEFT": plain}
 
 
 def pipeline_stages(tile: int) -> int:

@@ -149,11 +149,9 @@ def code_loop(sass: str) -> list[str]:
     """The tile loop over stored codes: the loop with the most ``PRMT`` (the byte permutes of the magic-number
     conversion, which every fast-path format issues and the exact segments' loops do not), the largest of those
     tied; :func:`main_loop` when no loop has one (the generic path unpacks with shifts)."""
-    def permutes(body):
-        return sum(1 for text in body if _opcode(text) == "PRMT")
-    found = loops(sass)
-    best = max(found, key=lambda body: (permutes(body), len(body)), default=[])
-    return best if best and permutes(best) else main_loop(sass)
+    found = [(sum(1 for text in body if _opcode(text) == "PRMT"), body) for body in loops(sass)]
+    permutes, best = max(found, key=lambda pair: (pair[0], len(pair[1])), default=(0, []))
+    return best if permutes else max((body for _, body in found), key=len, default=[])
 
 
 @dataclass(frozen=True)

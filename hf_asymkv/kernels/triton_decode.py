@@ -270,7 +270,7 @@ def partial_attention_kernel(
     V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
     K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr,
     FAST: tl.constexpr, ASM: tl.constexpr, QDOT: tl.constexpr, K_FLIP: tl.constexpr, V_FLIP: tl.constexpr,
-    ROTATED: tl.constexpr, LOG2_BLOCK: tl.constexpr, K_LEFT: tl.constexpr = False, V_LEFT: tl.constexpr = False,
+    ROTATED: tl.constexpr, LOG2_BLOCK: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr,
 ):
     """Grid ``(B * heads_kv, n_splits)``: splits ``[0, q_splits)`` cover the quantized region, the next
     ``a_splits`` exact segment 1, the rest exact segment 2. Writes ``acc`` ``[B * H, n_splits, R, D]`` and
