@@ -29,12 +29,13 @@ RUN=(hf-asymkv eval lm-eval --max-length 4096 --stop-when-scored --threads 1)
     --out results/ruler/gemma3-270m
 
 # 4. Extended on 2026-12-06 (one thread each, both runs side by side; the answers held reused): SmolLM2 in steps of
-#    --limit 25, 35, 50 (the 50 samples per task), Gemma-3-270M in steps of 10, 15, 20, 25.
+#    --limit 25, 35, 50 (the 50 samples per task), Gemma-3-270M in steps of 10, 15, 20, 25, 30 and 50 (the
+#    run to 50 switched to --threads 2 once the SmolLM2 run had ended: the answers after its 79th request).
 for limit in 25 35 50; do
     "${RUN[@]}" --apply-chat-template --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1 \
         --limit "$limit" --out results/ruler/smollm2
 done
-for limit in 10 15 20 25; do
+for limit in 10 15 20 25 30 50; do
     "${RUN[@]}" --model "$GEMMA" --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2 \
         --limit "$limit" --out results/ruler/gemma3-270m
 done
