@@ -10,6 +10,7 @@ an H100 and an H200. See :mod:`hf_asymkv.bench.kernel_report`.
 Usage:
     python scripts/kernel_report.py                                    # everything (about 15 minutes on one core)
     python scripts/kernel_report.py --arches sm_90a --dtypes bf16 --head-dims 128 --rows gqa4-q1 --no-shared
+    python scripts/kernel_report.py --configs balanced-bf16-d128-gqa4-q1-sm_90a --lines 12 --out /tmp/report
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="an earlier kernel_report.json: its figures go beside this run's (the before column)")
     p.add_argument("--threads", type=int, default=THREADS)
     p.add_argument("--quiet", action="store_true", help="no line per configuration")
+    p.add_argument("--lines", type=int, default=0, metavar="N",
+                   help="also print (and keep in the JSON) the N source lines of each configuration's code loop that "
+                        "issue the most instructions (nvdisasm's line table)")
     args = p.parse_args(argv)
     bad = [h for h in args.head_dims if not 1 <= h <= 256]
     if bad:
@@ -98,8 +102,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.quiet:
             print(f"{row['name']}: {row['per_byte']:.3f} warp instr/byte, {row['registers']} registers, "
                   f"shared {row['shared_bytes']} B", flush=True)
+        for entry in row.get("lines", []):
+            top = ", ".join(f"{op} {n}" for op, n in sorted(entry["opcodes"].items(), key=lambda kv: -kv[1])[:5])
+            print(f"  {entry['instructions']:5d}  {entry['file']}:{entry['line']}  ({top})", flush=True)
 
-    rows = kr.measure(configs, args.context, progress)
+    rows = kr.measure(configs, args.context, progress, args.lines)
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/kernel_report.py", *(argv or sys.argv[1:])])
     meta = {"command": command, "triton": triton.__version__, "torch": torch.__version__, "commit": _commit(),
             "context": args.context, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

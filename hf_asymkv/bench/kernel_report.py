@@ -157,16 +157,19 @@ def _launches(config: Config, context: int):
     return launches, region
 
 
-def measure(configs: list[Config], context: int = CONTEXT, progress=None) -> list[dict]:
+def measure(configs: list[Config], context: int = CONTEXT, progress=None, lines: int = 0) -> list[dict]:
     """One row per configuration: the partial kernel's :class:`~hf_asymkv.kernels.sass.CompiledStats` with its loop
-    per K/V byte, and the merge kernel's registers, spills and shared memory."""
+    per K/V byte, and the merge kernel's registers, spills and shared memory; with ``lines``, also the loop's
+    ``lines`` source lines that issue the most (``row["lines"]``: file, line, instructions, opcode counts; see
+    :func:`~hf_asymkv.kernels.sass.code_loop_lines`)."""
     from ..kernels import sass
 
     rows = []
     for config in sorted(configs, key=lambda c: (c.preset, c.dtype, c.head_dim, c.arch, c.rows)):
         launches, region = _launches(config, context)
         with sass.cuda_target(sass.ARCHES[config.arch]):
-            partial, merge = (sass.stats(sass.compile_launch(k.kernel, k.grid, k.args, k.options)) for k in launches)
+            compiled = [sass.compile_launch(k.kernel, k.grid, k.args, k.options) for k in launches]
+        partial, merge = (sass.stats(c) for c in compiled)
         options = launches[0].options
         tile_bytes = token_bytes(region) * options["TILE"]
         row = {**dataclasses.asdict(config), "name": config.name, "tile": options["TILE"],
@@ -179,6 +182,10 @@ def measure(configs: list[Config], context: int = CONTEXT, progress=None) -> lis
                "merge": {"registers": merge.registers, "local_bytes": merge.local_bytes,
                          "spill_instructions": merge.spill_instructions, "shared_bytes": merge.shared_bytes},
                "shared_limit": sass.SHARED_LIMIT_BYTES[sass.ARCHES[config.arch]]}
+        if lines:
+            found = sass.code_loop_lines(compiled[0].asm["cubin"])
+            row["lines"] = [{"file": file, "line": line, "instructions": sum(ops.values()), "opcodes": dict(ops)}
+                            for (file, line), ops in list(found.items())[:lines]]
         rows.append(row)
         if progress is not None:
             progress(row)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ARCHES", "CLASSES", "SHARED_LIMIT_BYTES", "CompiledStats", "classify", "compile_launch", "cuda_target",
-           "code_loop", "disassemble", "instructions", "loops", "main_loop", "REGISTER_CAP", "resource", "stats"]
+           "code_loop", "code_loop_lines", "disassemble", "instructions", "line_table", "loops", "main_loop",
+           "REGISTER_CAP", "resource", "stats"]
 
 ARCHES = {"sm_90a": 90, "sm_89": 89, "sm_80": 80}
 """Targets of the report: H100/H200, RTX 4090/L40, A100."""
@@ -48,6 +49,7 @@ _CLASS_OF = {
 }
 _OPCODE_CLASS = {op: kind for kind, ops in _CLASS_OF.items() for op in ops.split()}
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_SOURCE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.\S+)?\s+(?:.*,\s*)?0x([0-9a-f]+)")
 
 
@@ -127,17 +129,22 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return found
 
 
-def loops(sass: str) -> list[list[str]]:
-    """The instructions of every loop: from the target of a backward branch to the branch itself, in address order
-    of the branches (an inner loop is also inside its outer one)."""
+def _spans(sass: str) -> list[tuple[int, int, list[str]]]:
+    """``(first address, branch address, instructions)`` of every loop, in address order of the branches."""
     listing = instructions(sass)
     found = []
     for address, text in listing:
         match = _BRANCH.match(text)
         if match and int(match.group(1), 16) <= address:
             start = int(match.group(1), 16)
-            found.append([t for a, t in listing if start <= a <= address])
+            found.append((start, address, [t for a, t in listing if start <= a <= address]))
     return found
+
+
+def loops(sass: str) -> list[list[str]]:
+    """The instructions of every loop: from the target of a backward branch to the branch itself, in address order
+    of the branches (an inner loop is also inside its outer one)."""
+    return [body for _, _, body in _spans(sass)]
 
 
 def main_loop(sass: str) -> list[str]:
@@ -145,13 +152,58 @@ def main_loop(sass: str) -> list[str]:
     return max(loops(sass), key=len, default=[])
 
 
+def _code_span(sass: str) -> tuple[int, int, list[str]] | None:
+    found = [(sum(1 for text in span[2] if _opcode(text) == "PRMT"), span) for span in _spans(sass)]
+    if not found:
+        return None
+    permutes, best = max(found, key=lambda pair: (pair[0], len(pair[1][2])))
+    return best if permutes else max((span for _, span in found), key=lambda span: len(span[2]))
+
+
 def code_loop(sass: str) -> list[str]:
     """The tile loop over stored codes: the loop with the most ``PRMT`` (the byte permutes of the magic-number
     conversion, which every fast-path format issues and the exact segments' loops do not), the largest of those
     tied; :func:`main_loop` when no loop has one (the generic path unpacks with shifts)."""
-    found = [(sum(1 for text in body if _opcode(text) == "PRMT"), body) for body in loops(sass)]
-    permutes, best = max(found, key=lambda pair: (pair[0], len(pair[1])), default=(0, []))
-    return best if permutes else max((body for _, body in found), key=len, default=[])
+    span = _code_span(sass)
+    return [] if span is None else span[2]
+
+
+def line_table(listing: str) -> dict[int, tuple[str, int]]:
+    """Address -> ``(file name, line)`` of the source line each instruction was compiled from, read from an
+    ``nvdisasm -g`` listing (its ``//## File "...", line N`` notes precede the instructions they cover; Triton
+    writes the line table into every cubin). Instructions before the first note are left out."""
+    table, where = {}, None
+    for line in listing.splitlines():
+        note = _SOURCE.search(line)
+        if note:
+            where = (Path(note.group(1)).name, int(note.group(2)))
+            continue
+        match = _LINE.match(line)
+        if match and where is not None:
+            table[int(match.group(1), 16)] = where
+    return table
+
+
+def code_loop_lines(cubin: bytes) -> dict[tuple[str, int], Counter]:
+    """The instructions of :func:`code_loop` by the source line they come from: ``(file name, line)`` -> opcode
+    counts, most instructions first (``("?", 0)``: no line recorded). What ``scripts/kernel_report.py --lines``
+    prints: where a loop's instructions go, in the kernel's own terms."""
+    from triton import knobs
+
+    span = _code_span(disassemble(cubin))
+    if span is None:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        listing = subprocess.run([knobs.nvidia.nvdisasm.path, "-g", "-c", str(path)], capture_output=True,
+                                 text=True, check=True).stdout
+    table = line_table(listing)
+    counts: dict[tuple[str, int], Counter] = {}
+    for address, text in instructions(listing):
+        if span[0] <= address <= span[1]:
+            counts.setdefault(table.get(address, ("?", 0)), Counter())[_opcode(text)] += 1
+    return dict(sorted(counts.items(), key=lambda item: -sum(item[1].values())))
 
 
 @dataclass(frozen=True)

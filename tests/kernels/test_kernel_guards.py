@@ -41,12 +41,12 @@ CONVERSION_GUARDED = ("balanced", "lean")  # int8 and int4 codes: issue 37 asks 
 # bound is 0.01, or a committed figure above it.
 
 
-def _compile(name: str, out: Path) -> dict:
-    """The report row of configuration ``name``, compiled now."""
+def _compile(name: str, out: Path, *flags: str) -> dict:
+    """The report row of configuration ``name``, compiled now (``flags``: more of kernel_report.py's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(out / "triton-cache")  # an empty cache: compile, do not look up
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_report.py"), "--configs", name, "--context",
-                           str(CONTEXT), "--out", str(out), "--quiet"], env=env, cwd=ROOT, capture_output=True, text=True)
+                           str(CONTEXT), "--out", str(out), "--quiet", *flags], env=env, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, f"kernel_report.py failed on {name}:\n{done.stderr[-3000:]}"
     return json.loads((out / "kernel_report.json").read_text())["rows"][0]
 
@@ -99,3 +99,12 @@ def test_guard_file_names_every_goal():
     figures = json.loads(GUARD.read_text())["figures"]
     for version, by_name in figures.items():
         assert set(GOALS) <= set(by_name), f"Triton {version}: no figure for {sorted(set(GOALS) - set(by_name))}"
+
+
+def test_source_lines_account_for_the_whole_code_loop(tmp_path):
+    # kernel_report.py --lines: the code loop's instructions by source line (nvdisasm's line table) sum to the loop the
+    # report counts, and the most expensive line is the codes' own (their conversion, in triton_codes.py)
+    row = _compile(f"balanced-{GOAL_SHAPE}-sm_90a", tmp_path, "--lines", "1000")
+    assert sum(entry["instructions"] for entry in row["lines"]) == row["loop_instructions"]
+    top = row["lines"][0]
+    assert top["file"] == "triton_codes.py" and top["opcodes"].get("PRMT", 0) > 0, top

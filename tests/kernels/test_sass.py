@@ -90,3 +90,24 @@ def test_code_loop_is_the_loop_that_converts_codes():
     assert sass.code_loop(TWO_LOOPS)[1] == "PRMT R9, R5, 0x5140, R9"  # not the first loop, as long
     assert sass.code_loop(TWO_LOOPS.replace("PRMT R9, R5, 0x5140, R9", "MOV R9, R5")) == sass.loops(TWO_LOOPS)[0]
     assert len(sass.code_loop(LISTING)) == 11  # the PRMT is in both nested loops: the longer one
+
+
+# nvdisasm -g: line notes before the instructions they cover; labels instead of branch addresses
+NVDISASM = """
+        .text.partial_attention_kernel:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+	//## File "/src/hf_asymkv/kernels/triton_codes.py", line 56
+        /*0010*/                   LOP3.LUT R8, R4, 0xf000f, RZ, 0xc0, !PT ;
+        /*0020*/                   PRMT R9, R5, 0x5140, R9 ;
+.L_x_1:
+	//## File "/src/hf_asymkv/kernels/triton_codes.py", line 118
+        /*0030*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+	//## File "/venv/triton/language/standard.py", line 263
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+"""
+
+
+def test_line_table_follows_the_notes():
+    assert sass.line_table(NVDISASM) == {0x10: ("triton_codes.py", 56), 0x20: ("triton_codes.py", 56),
+                                         0x30: ("triton_codes.py", 118), 0x40: ("standard.py", 263)}
+    assert sass.instructions(NVDISASM)[-1] == (0x40, "@!P0 BRA `(.L_x_1)")  # the listing's own lines parse alike
