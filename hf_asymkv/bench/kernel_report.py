@@ -146,14 +146,16 @@ def token_bytes(region) -> float:
 def _launches(config: Config, context: int):
     """``(launches, region)``: what the launcher would launch for ``config``'s decode step."""
     from ..core.backend import kernel_regions
+    from ..kernels import sass
     from ..kernels.decode import LaunchConfig, plan_decode_attention
 
     n_rep, q_len = {**QUERY_ROWS, **WIDEST_ROWS}[config.rows]
     key, value = _layer_kv(config.preset, config.dtype, config.head_dim, context)
     region, segments = kernel_regions(key, value, None, 1)
     query = torch.randn(1, KV_HEADS * n_rep, q_len, config.head_dim).to(DTYPES[config.dtype])
+    card = LaunchConfig(sm_count=SM_COUNT[config.arch], capability=sass.ARCHES[config.arch])
     launches, _ = plan_decode_attention(query, config.head_dim**-0.5, quantized=region, exact=segments,
-                                        kv_len=key.shape[2], launch=LaunchConfig(sm_count=SM_COUNT[config.arch]))
+                                        kv_len=key.shape[2], launch=card)
     return launches, region
 
 

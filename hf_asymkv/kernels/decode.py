@@ -147,11 +147,9 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     acc = torch.empty(b * heads, n_splits, rows, head_dim, dtype=torch.float32, device=query.device)
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
     small = d_pad * r_pad <= 4096  # query rows x channels: the accumulator a program holds
-    num_warps = launch.num_warps or ((fast_warps(tile, quantized) if fast else 4) if small else 8)
+    capability = launch.capability or _capability(query.device)
+    num_warps = launch.num_warps or ((fast_warps(tile, quantized, capability) if fast else 4) if small else 8)
     stages = launch.num_stages or pipeline_stages(tile)
-    slices = (launch.slices or fast_slices(quantized, tile)) if fast else 1  # the generic path reads whole tiles
-    if slices not in (1, 2, 4) or tile // slices < 16:
-        raise ValueError(f"{slices} slices of a {tile}-token tile: 1, 2 or 4 slices of at least 16 tokens expected.")
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
     exact_args += [_exact_args(None, None, q_len, hq, query)] * (MAX_EXACT_SEGMENTS - len(segments))  # dummy slots
@@ -168,8 +166,7 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
         ASM=not INTERPRETED, QDOT=_code_dot_dtype(query), ROTATED=rotated, LOG2_BLOCK=block.bit_length() - 1,
-        num_warps=num_warps, num_stages=stages, **constants, **codes_left(quantized, tile // slices, num_warps, fast),
-        SLICES=slices))
+        num_warps=num_warps, num_stages=stages, **constants, **codes_left(quantized, tile, num_warps, fast, capability)))
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
     s_pad = max(2, _pow2(n_splits, least=1))
     chunk = max(16, min(d_pad, MERGE_ELEMENTS // s_pad))
@@ -190,7 +187,7 @@ class LaunchConfig:
     tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
     sm_count: int | None = None  # streaming multiprocessors to fill; default: the device's (a card's, for the report)
-    slices: int | None = None  # fast path: slices per tile (a power of two, tile / slices >= 16); default fast_slices
+    capability: int | None = None  # the card's compute capability, major * 10 + minor; default: the device's
 
     def tile_for(self, quantized: QuantizedRegion | None, limit: int = MAX_TILE) -> int:
         """Tokens per tile for ``quantized``: the default (at most ``limit``), or the override if it fits a key
@@ -206,39 +203,31 @@ class LaunchConfig:
 _DEFAULT_LAUNCH = LaunchConfig()  # made once: the decode step's path builds nothing it does not need
 
 
-def fast_warps(tile: int, region: QuantizedRegion | None = None) -> int:
+def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int | None = None) -> int:
     """Warps per program on the fast path: at least 16 tokens of a tile per warp, at most 4 for 128-token tiles and 2
     for shorter ones, except 4 for 64-token tiles of keys with wide channels (``compact``, ``max``: with 2 warps they
-    take 240-253 registers, at the cap). Fewer warps hold more of a tile each, and the per-tile steps shared by all
-    warps (row max and sums across warps, barriers) are paid fewer times: on sm_90a ``tight`` issues 0.40 warp
-    instructions per byte with 2 warps, 0.48 with 4 (kernel_report.md). One warp would issue less still (``lean``
-    0.17) but takes 255 registers."""
+    take 235-253 registers, at the cap) and for any 64-token tile on cards before sm_89 (``capability``, major * 10 +
+    minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80. Fewer warps hold more of
+    a tile each, and the per-tile steps shared by all warps (row max and sums across warps, barriers) are paid fewer
+    times: on sm_90a ``tight`` issues 0.31 warp instructions per byte with 2 warps, 0.39 with 4 (kernel_report.md).
+    One warp would issue less still (``lean`` 0.17) but takes 255 registers."""
     wide = region is not None and region.keys.wide_bits is not None
-    return max(1, min(4 if tile >= 128 or (tile == 64 and wide) else 2, tile // 16))
+    four = tile >= 128 or (tile == 64 and (wide or (capability is not None and capability < 89)))
+    return max(1, min(4 if four else 2, tile // 16))
 
 
-def fast_slices(region: QuantizedRegion, tile: int) -> int:
-    """Key slices per tile on the fast path (:func:`~.triton_codes.fast_split`): 2 for 4-bit keys without wide channels
-    packed in blocks of one tile (``lean``), else 1. Each half of such a tile is one nibble of the same byte rows:
-    read under one mask, the compiler converts the bytes where the product reads them, instead of gathering each
-    token's byte and sending a float copy of the tile through shared memory. Measured on sm_90a (kernel_report.md):
-    ``lean`` 0.227 warp instructions per byte in halves, 0.243 whole; ``compact`` the same either way (and 8 B
-    spilled on sm_89 in halves); the 2 + 1-bit keys of ``tight`` and ``max`` cost more in 2 or 4 slices (their 1-bit
-    plane is 8 byte rows, under a product's 16, and stays gathered)."""
-    keys = region.keys
-    nibbles = keys.bits == 4 and keys.layout == "tokens" and keys.wide_bits is None
-    return 2 if nibbles and keys.block_size == tile and tile >= 32 else 1
-
-
-def codes_left(region: QuantizedRegion | None, tokens: int, num_warps: int, fast: bool) -> dict[str, bool]:
+def codes_left(region: QuantizedRegion | None, tile: int, num_warps: int, fast: bool,
+               capability: int | None = None) -> dict[str, bool]:
     """The fast path's ``K_LEFT`` and ``V_LEFT``: whether the key and value codes are the left operand of their matrix
     products (tokens or channels on the product's M side, query rows on N), chosen by what compiles to fewer
-    instructions per byte on sm_90a without spilling (kernel_report.md). Values, the product ``V^T @ P^T``: its 4 query
-    rows pad to an 8-wide fragment instead of a 16-row one. Keys when every warp holds a whole 16-token fragment of
-    the tile. Neither for keys with wide channels (``compact``, ``max``): their small product per tile stays in the
-    query-rows orientation, and with the values' product turned the kernel spilled 8 B."""
-    plain = fast and region is not None and region.keys.wide_bits is None
-    return {"K_LEFT": plain and tokens >= 16 * num_warps, "V_LEFT": plain}
+    instructions per byte on sm_90a without spilling (kernel_report.md). Values always, the product ``V^T @ P^T``: its
+    4 query rows pad to an 8-wide fragment instead of a 16-row one. Keys when every warp holds a whole 16-token
+    fragment of the tile (their wide channels' product, ``compact``'s and ``max``'s, turns with them: ``max`` 0.63 ->
+    0.55 warp instructions per byte), except 32-token tiles on sm_89 (``capability`` 89), where ``lean``'s turned keys
+    spill 8 B."""
+    fast = fast and region is not None
+    keys = fast and tile >= 16 * num_warps and not (capability == 89 and tile <= 32)
+    return {"K_LEFT": keys, "V_LEFT": fast}
 
 
 def pipeline_stages(tile: int) -> int:
@@ -263,6 +252,15 @@ def _code_dot_dtype(query: torch.Tensor):
     for float32 queries. The interpreter multiplies float16 operands exactly and sums in float32, as the GPU does, so
     the CPU tests run the GPU's roundings."""
     return tl.float32 if query.dtype == torch.float32 else tl.float16
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device: torch.device) -> int | None:
+    """``major * 10 + minor`` of a CUDA device; None for other devices (the interpreter's CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 @functools.lru_cache(maxsize=8)

@@ -50,7 +50,7 @@ MAGIC = tl.constexpr(1024.0)  # the fp16 constant 0x6400
 def magic_fp16(codes, mask, flip, ASM: tl.constexpr, PURE: tl.constexpr = True):
     """fp16 ``1024 + ((codes & mask) ^ flip)`` of uint8 ``codes`` (``mask``, ``flip``: uint8, broadcast to ``codes``;
     ``flip`` within ``mask``). ``PURE=False`` marks the conversion as having effects (it has none): the compiler then
-    sizes the product's operand fragments for 16-bit data, not for the 8-bit bytes behind them (see
+    sizes the product's operand fragments for the 16-bit data it returns, not for the bytes behind it (see
     :func:`_field_operand`)."""
     if ASM:
         return tl.inline_asm_elementwise(MAGIC_ASM, "=r,=r,r,r,r", [codes, mask, flip], dtype=tl.float16,
@@ -75,39 +75,27 @@ def _pow2(exponent):
 
 
 @triton.jit
-def _field_operand(base, tb0, order, s_t, cols, S: tl.constexpr, SL: tl.constexpr, TILE: tl.constexpr,
-                   ASM: tl.constexpr, WIDTH: tl.constexpr, START: tl.constexpr, PB: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr, EXACT: tl.constexpr = False,
-                   PURE: tl.constexpr = True):
-    """``(operand [N, C] fp16, shift [N])`` of the tile's tokens ``order`` (``[N]``, from the tile's first; slice
-    ``S`` of ``SL`` tokens, ``order == S * SL + [0, SL)``, or ``S < 0``: any order): each token's ``WIDTH``-bit field of
-    one plane set (or its 8-bit code), as ``1024 + field * 2**shift``. ``base``: the block's first byte (token-packed;
-    ``tb0`` the tile's first token in it) or the tile's first token's row (8-bit, ``s_t`` its row stride); ``cols``:
-    the channels.
-
-    A slice inside one field of a block that is the tile (``PB == TILE``, ``SL`` at most the plane set's byte rows)
-    reads whole byte rows under one constant mask: the compiler then converts the bytes where the product reads them,
-    with no float copy of the tile through shared memory. Otherwise each token's byte is gathered and masked where
-    its field lies."""
+def _field_operand(base, tb, cols, s_t, ASM: tl.constexpr, WIDTH: tl.constexpr, START: tl.constexpr,
+                   PB: tl.constexpr, HEAD_DIM: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
+                   EXACT: tl.constexpr = False):
+    """``(operand [T, C] fp16, shift [T])``: each token's ``WIDTH``-bit field of one plane set (or its 8-bit code),
+    as ``1024 + field * 2**shift``. ``base``: the block's first byte (token-packed) or the tile's first token's row;
+    ``tb``: the tile's tokens, in the block (packed) or from ``base`` (8-bit); ``cols``: the channels."""
     if PACKED:
         rows: tl.constexpr = PB * WIDTH // 8
-        if S >= 0 and PB == TILE and SL <= rows:
-            row0: tl.constexpr = S * SL % rows
-            SHIFT: tl.constexpr = S * SL // rows * WIDTH
-            codes = tl.load(base + (START + row0 + tl.arange(0, SL))[:, None] * HEAD_DIM + cols[None, :])
-            mask = tl.full([1, 1], ((1 << WIDTH) - 1) << SHIFT, tl.uint8)
-            return magic_fp16(codes, mask, tl.zeros_like(mask), ASM), tl.full([SL], SHIFT, tl.int32)
-        tb = tb0 + order
         shift = (tb // rows) * WIDTH
         codes = tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :])
         mask = (((1 << WIDTH) - 1) << shift).to(tl.uint8)[:, None]
-        return magic_fp16(codes, mask, tl.zeros_like(mask), ASM, PURE), shift
-    codes = tl.load(base + order[:, None] * s_t + cols[None, :]).to(tl.uint8, bitcast=True)
+        # impure: Triton sizes a product's operand fragments by the narrowest load behind the operand (here bytes, 4
+        # per thread along the product's inner axis); the fp16 it returns then reaches the tensor cores through
+        # shared memory in 16-bit fragments, not reshuffled by register moves every tile (kernel_report.md)
+        return magic_fp16(codes, mask, tl.zeros_like(mask), ASM, False), shift
+    codes = tl.load(base + tb[:, None] * s_t + cols[None, :]).to(tl.uint8, bitcast=True)
     flip = tl.full([1, 1], FLIP, tl.uint8)
     if EXACT:
         offset = tl.full([1, 1], 1024.0 + FLIP, tl.float16)
-        return exact_fp16(codes, tl.full([1, 1], 255, tl.uint8), flip, offset, ASM), tl.zeros_like(order)
-    return magic_fp16(codes, tl.full([1, 1], 255, tl.uint8), flip, ASM), tl.zeros_like(order)
+        return exact_fp16(codes, tl.full([1, 1], 255, tl.uint8), flip, offset, ASM), tl.zeros_like(tb)
+    return magic_fp16(codes, tl.full([1, 1], 255, tl.uint8), flip, ASM), tl.zeros_like(tb)
 
 
 @triton.jit
@@ -161,66 +149,59 @@ def mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len
 
 
 @triton.jit
-def _key_scores(qs, sq, kc_base, tb0, order, ch, s_t, S: tl.constexpr, SL: tl.constexpr, TILE: tl.constexpr,
-                ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr, LEFT: tl.constexpr):
-    """``sum_c qs[r, c] * code[t, c]`` ``[R, SL]`` for the stored (unsigned) codes of slice ``S`` of the tile (8-bit
-    codes: the flipped code's offset taken off in the operand); ``sq`` the row sums of ``qs`` as rounded for the
-    product."""
+def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
+                LEFT: tl.constexpr):
+    """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes:
+    plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums of ``qs`` as rounded for
+    the product."""
     if not PACKED:  # 8-bit codes: exact operands (the flipped code's offset taken off in fp16), no row sum needed
-        x, shift = _field_operand(kc_base, tb0, order, s_t, ch, S, SL, TILE, ASM, 8, 0, 1, HEAD_DIM, FLIP, False, True)
+        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
         return _scores(qs, x, QDOT, LEFT)
-    x, shift = _field_operand(kc_base, tb0, order, s_t, ch, S, SL, TILE, ASM, W0, 0, PB, HEAD_DIM, 0, True)
-    scores = (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
+    x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
+    raw = _scores(qs, x, QDOT, LEFT)
+    scores = (raw - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
     if W1 > 0:
         start: tl.constexpr = PB * W0 // 8
-        x, shift = _field_operand(kc_base, tb0, order, s_t, ch, S, SL, TILE, ASM, W1, start, PB, HEAD_DIM, 0, True)
+        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
         scores += (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(W0 - shift)[None, :]
     return scores
 
 
 @triton.jit
-def _wide_query(qs32, kwc_base, skwc_n, skwc_r, t0, QDOT: tl.constexpr, TG: tl.constexpr, BITS: tl.constexpr,
-                WIDE: tl.constexpr, WIDE_PAD: tl.constexpr, SYMMETRIC: tl.constexpr):
-    """``(qw [R, WIDE_PAD], row constant [R])`` of the block's wide channels, once per tile: the query's columns at
-    the ``WIDE`` chosen channels (padded to ``WIDE_PAD`` >= 16), slot ``j``'s scaled by ``2**(BITS - j % 8)`` (its
-    bit is bit ``j % 8`` of byte ``j // 8``), rounded to ``QDOT``; and what every token's scores owe the rows, the
-    magic constant's share ``-1024 * sum(qw)`` (and ``-2**(BITS - 1) * sum(q)`` for symmetric codes)."""
+def _wide_scores(qs32, kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok, ASM: tl.constexpr,
+                 QDOT: tl.constexpr, TG: tl.constexpr, BITS: tl.constexpr, WIDE: tl.constexpr,
+                 WIDE_PAD: tl.constexpr, SYMMETRIC: tl.constexpr, LEFT: tl.constexpr):
+    """``(scores [R, T], row constant [R])``: what the block's wide channels' high bits add to the scores,
+    ``sum_j qs[r, ch_j] * (2**BITS * high[t, j] - offset)`` (``offset`` ``2**(BITS - 1)`` for symmetric codes), as
+    a product and a number per row for the caller's row constant (the magic number's share and the offset). One
+    product over the ``WIDE`` slots (padded to ``WIDE_PAD`` >= 16), the query's columns gathered once, on the side
+    ``LEFT`` puts the keys' own product (:func:`_scores`); slot ``j``'s bit is bit ``j % 8`` of byte ``j // 8``, and its
+    ``2**(j % 8)`` is folded into the gathered query."""
     slot = tl.arange(0, WIDE_PAD)
     used = slot < WIDE
     chosen = tl.load(kwc_base + (t0 // TG) * skwc_n + slot * skwc_r, mask=used, other=0).to(tl.int32)
     picked = tl.gather(qs32, tl.broadcast_to(chosen[None, :], [qs32.shape[0], WIDE_PAD]), axis=1)
     picked = tl.where(used[None, :], picked, 0.0)
     qw = (picked * _pow2(BITS - slot % 8)[None, :]).to(QDOT)
+    codes = tl.load(kw_base + tok[:, None] * skw_t + (slot // 8)[None, :] * skw_p, mask=used[None, :], other=0)
+    bit = (1 << (slot % 8)).to(tl.uint8)[None, :]
+    x = magic_fp16(codes, bit, tl.zeros_like(bit), ASM, False)  # impure: 16-bit fragments (see _field_operand)
     const = tl.sum(qw.to(tl.float32), 1) * -MAGIC
     if SYMMETRIC:
         const += -(2.0 ** (BITS - 1)) * tl.sum(picked, 1)
-    return qw, const
+    return _scores(qw, x, QDOT, LEFT), const
 
 
 @triton.jit
-def _wide_scores(qw, kw_base, skw_t, skw_p, tok, ASM: tl.constexpr, QDOT: tl.constexpr, WIDE: tl.constexpr,
-                 WIDE_PAD: tl.constexpr):
-    """What the wide channels' high bits of tokens ``tok`` add to their scores ``[R, T]`` (less the row constant of
-    :func:`_wide_query`): one product over the slots."""
-    slot = tl.arange(0, WIDE_PAD)
-    used = slot < WIDE
-    codes = tl.load(kw_base + tok[:, None] * skw_t + (slot // 8)[None, :] * skw_p, mask=used[None, :], other=0)
-    bit = (1 << (slot % 8)).to(tl.uint8)[None, :]
-    return _dot(qw, tl.trans(magic_fp16(codes, bit, tl.zeros_like(bit), ASM)), QDOT)
-
-
-@triton.jit
-def _value_products(p, acc, vc_base, tb0, order, ch, svc_t, vs, TILE: tl.constexpr,
-                    ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr, W0: tl.constexpr,
-                    W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr, LEFT: tl.constexpr):
-    """``(acc + w . X, the rounded weights' magic share)`` for the value codes of the tile's tokens ``order`` (weights
-    ``p`` ``[R, T]``, scales ``vs`` ``[T]``, in that order): ``w = p * scale * 2**-shift`` per plane set (rounded to ``QDOT``), ``X`` the
-    plane set's ``1024 + field * 2**shift``. Returns the new accumulator and ``-1024 * w`` ``[R, SL]`` summed over plane
-    sets (the caller sums it over tokens with the row's other per-token terms: one reduction across the tile's warps,
-    not one per term)."""
-    x, shift = _field_operand(vc_base, tb0, order, svc_t, ch, -1, TILE, TILE, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM,
-                              FLIP, PACKED, False, False)
+def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
+               LEFT: tl.constexpr):
+    """``(acc + w . X, the rounded weights' magic share)`` for the tile's value codes: ``w = p * scale * 2**-shift``
+    per plane set (rounded to ``QDOT``), ``X`` the plane set's ``1024 + field * 2**shift``. Returns the new
+    accumulator and ``-1024 * w`` ``[R, T]`` summed over plane sets (the caller sums it over tokens with the row's other
+    per-token terms: one reduction across the tile's warps, not one per term)."""
+    x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
     weights = p * vs[None, :]
     if PACKED:
         w = (weights * _pow2(-shift)[None, :]).to(QDOT)
@@ -230,42 +211,11 @@ def _value_products(p, acc, vc_base, tb0, order, ch, svc_t, vs, TILE: tl.constex
     magic = w.to(tl.float32)
     if W1 > 0:
         start: tl.constexpr = PB * W0 // 8
-        x, shift = _field_operand(vc_base, tb0, order, svc_t, ch, -1, TILE, TILE, ASM, W1, start, PB, HEAD_DIM, 0, True,
-                                  False, False)
+        x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
         w = (weights * _pow2(W0 - shift)[None, :]).to(QDOT)
         acc = _mix(w, x, acc, QDOT, LEFT)
         magic += w.to(tl.float32)
     return acc, magic * -MAGIC  # the tensor first: under the interpreter, constexpr * tensor stays a constexpr
-
-
-@triton.jit
-def _fold_max(parts, SLICES: tl.constexpr):
-    """Elementwise maximum of the tuple's ``SLICES`` tensors: a row max over all of them is then one reduction."""
-    out = parts[0]
-    for s in tl.static_range(1, SLICES):
-        out = tl.maximum(out, parts[s])
-    return out
-
-
-@triton.jit
-def _interleave(parts, SLICES: tl.constexpr):
-    """The tuple's ``SLICES`` (1, 2 or 4) tensors ``[R, SL]`` as one ``[R, SLICES * SL]``, element ``k`` of a row from
-    slice ``k % SLICES`` at ``k // SLICES`` (:func:`_interleaved_order`): joined in registers, no data moves."""
-    if SLICES == 1:
-        out = parts[0]
-    elif SLICES == 2:
-        out = tl.reshape(tl.join(parts[0], parts[1]), [parts[0].shape[0], 2 * parts[0].shape[1]])
-    else:
-        both = tl.join(tl.join(parts[0], parts[2]), tl.join(parts[1], parts[3]))
-        out = tl.reshape(both, [parts[0].shape[0], 4 * parts[0].shape[1]])
-    return out
-
-
-@triton.jit
-def _interleaved_order(SLICES: tl.constexpr, SL: tl.constexpr):
-    """``[SLICES * SL]``: the tile's token at each position of :func:`_interleave`'s rows."""
-    k = tl.arange(0, SLICES * SL)
-    return (k % SLICES) * SL + k // SLICES
 
 
 @triton.jit
@@ -278,23 +228,16 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
                K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
                K_OFFSET: tl.constexpr, V_PACKED: tl.constexpr, V_FLIP: tl.constexpr, V_W0: tl.constexpr,
                V_W1: tl.constexpr, V_PB: tl.constexpr, V_ZERO: tl.constexpr, V_OFFSET: tl.constexpr,
-               K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr,
-               SLICES: tl.constexpr):
+               K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr):
     """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles, ``TILE`` dividing the key scale group
     ``K_TG`` and the packing blocks): ``(acc [R, D], m [R], l [R])`` (the values' per-row constant already added).
 
-    A tile is read in ``SLICES`` slices of ``TILE / SLICES`` tokens, each its own products (see
-    :func:`_field_operand`: a slice inside one field of every plane set converts its codes where the product reads
-    them); the softmax steps that reduce over tokens (row max, sums) run once per tile, over the slices folded
-    elementwise. Code offsets (``K_OFFSET``, ``V_OFFSET``): what to subtract from the stored unsigned code to get the
-    code the scale multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0).
-    ``K_LEFT`` and ``V_LEFT`` put the codes on the left of their products (:func:`_scores`, :func:`_mix`): the same
-    sums, laid out differently by the compiler. The launcher picks slices and sides per format
-    (``hf_asymkv.kernels.decode.fast_slices``, ``codes_left``)."""
-    SL: tl.constexpr = TILE // SLICES
+    Code offsets (``K_OFFSET``, ``V_OFFSET``): what to subtract from the stored unsigned code to get the code the scale
+    multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0). ``K_LEFT`` and
+    ``V_LEFT`` put the codes on the left of their products (:func:`_scores`, :func:`_mix`): the same sums, laid out
+    differently by the compiler; the launcher picks them per format (``hf_asymkv.kernels.decode.codes_left``)."""
     ch = tl.arange(0, HEAD_DIM)
-    tok = tl.arange(0, SL)
-    order = _interleaved_order(SLICES, SL)  # the values' token order: the slices' weights interleaved
+    tok = tl.arange(0, TILE)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
     z_i = tl.zeros([R_PAD], tl.float32)  # the values' per-row constant, beside acc
@@ -309,39 +252,39 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         else:
             sq = tl.zeros([R_PAD], tl.float32)  # 8-bit codes are exact operands: nothing to take off
             const = tl.zeros([R_PAD], tl.float32)
-        k_base = kc_base + (t0 - t0 % K_PB) * skc_t  # 8-bit codes: K_PB is 1
         if K_ZERO:
             const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
+        if K_PACKED:
+            scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
+                                 HEAD_DIM, K_W0, K_W1, K_PB, 0, True, K_LEFT)
+        else:
+            scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
+                                 False, K_LEFT)
         if K_WIDE > 0:
-            qw, wide_const = _wide_query(qs.to(tl.float32), kwc_base, skwc_n, skwc_r, t0, QDOT, K_TG, K_W0 + K_W1,
-                                         K_WIDE, K_WIDE_PAD, K_OFFSET > 0)
+            wide, wide_const = _wide_scores(qs.to(tl.float32), kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0,
+                                            t0 + tok, ASM, QDOT, K_TG, K_W0 + K_W1, K_WIDE, K_WIDE_PAD, K_OFFSET > 0,
+                                            K_LEFT)
+            scores += wide
             const += wide_const
-        scores = ()
-        for s in tl.static_range(SLICES):
-            part = _key_scores(qs, sq, k_base, t0 % K_PB, s * SL + tok, ch, skc_t, s, SL, TILE, ASM, QDOT, HEAD_DIM,
-                               K_W0 if K_PACKED else 8, K_W1, K_PB, K_FLIP, K_PACKED, K_LEFT)
-            if K_WIDE > 0:
-                part += _wide_scores(qw, kw_base, skw_t, skw_p, t0 + s * SL + tok, ASM, QDOT, K_WIDE, K_WIDE_PAD)
-            if MASK != 0:
-                valid = rows_ok[:, None] & (tok >= 0)[None, :]
-                part += mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
-                                  col0 + t0 + s * SL + tok[None, :], valid, q_len, kv_len, MASK)
-            scores = scores + (part,)
-        m_new = tl.maximum(m_i, tl.max(_fold_max(scores, SLICES), 1) + const)
+        if MASK != 0:
+            valid = rows_ok[:, None] & (tok >= 0)[None, :]
+            scores += mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
+                                col0 + t0 + tok[None, :], valid, q_len, kv_len, MASK)
+        m_new = tl.maximum(m_i, tl.max(scores, 1) + const)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(_interleave(scores, SLICES) - (m_safe - const)[:, None])  # [R, TILE], tokens in `order`
+        p = tl.exp2(scores - (m_safe - const)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        vs = tl.load(vs_base + (t0 + order) * svs_t).to(tl.float32)
+        vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
         if V_PACKED:
-            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % V_PB) * svc_t, t0 % V_PB, order,
-                                         ch, svc_t, vs, TILE, ASM, QDOT, HEAD_DIM, V_W0, V_W1, V_PB, 0, True, V_LEFT)
+            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % V_PB) * svc_t, t0 % V_PB + tok,
+                                         ch, svc_t, vs, ASM, QDOT, HEAD_DIM, V_W0, V_W1, V_PB, 0, True, V_LEFT)
         else:
-            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + t0 * svc_t, 0, order, ch, svc_t, vs, TILE,
-                                         ASM, QDOT, HEAD_DIM, 8, 0, 1, V_FLIP, False, V_LEFT)
+            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + t0 * svc_t, tok, ch, svc_t, vs, ASM, QDOT,
+                                         HEAD_DIM, 8, 0, 1, V_FLIP, False, V_LEFT)
         zero = -V_OFFSET * vs
         if V_ZERO:
-            zero += tl.load(vz_base + (t0 + order) * svs_t).to(tl.float32)
+            zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
         z_i = z_i * alpha + tl.sum(magic + p * zero[None, :], 1)
     return acc + z_i[:, None], m_i, l_i

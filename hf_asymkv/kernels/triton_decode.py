@@ -271,7 +271,6 @@ def partial_attention_kernel(
     K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr,
     FAST: tl.constexpr, ASM: tl.constexpr, QDOT: tl.constexpr, K_FLIP: tl.constexpr, V_FLIP: tl.constexpr,
     ROTATED: tl.constexpr, LOG2_BLOCK: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr,
-    SLICES: tl.constexpr,
 ):
     """Grid ``(B * heads_kv, n_splits)``: splits ``[0, q_splits)`` cover the quantized region, the next
     ``a_splits`` exact segment 1, the rest exact segment 2. Writes ``acc`` ``[B * H, n_splits, R, D]`` and
@@ -311,8 +310,7 @@ def partial_attention_kernel(
                     qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, stop, b, heads, qpos, rows_ok, q_len, kv_len,
                     HEAD_DIM, R_PAD, TILE, Q_MASK, QDOT, ASM,
                     K_KIND == 3, K_FLIP, K_W0, K_W1, K_PB, K_TG, K_CG, K_ZERO, K_OFFSET,
-                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_LEFT, V_LEFT,
-                    SLICES)
+                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_LEFT, V_LEFT)
             else:
                 acc, m_i, l_i = _quant_split(
                     q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,

@@ -18,7 +18,6 @@ from hf_asymkv.kernels.decode import (
     LaunchConfig,
     codes_left,
     decode_attention,
-    fast_slices,
     fast_warps,
     launch_decode_attention,
     pipeline_stages,
@@ -91,8 +90,7 @@ def test_lengths_and_splits(name, lengths, tiles_per_split):
 
 
 LAUNCHES = {"half-tiles": LaunchConfig(tile=32), "eight-warps-3-stages": LaunchConfig(num_warps=8, num_stages=3),
-            "sixteen-token-tiles-2-per-sm": LaunchConfig(tile=16, programs_per_sm=2),
-            "key-slices-4": LaunchConfig(slices=4), "key-slices-2-one-warp": LaunchConfig(slices=2, num_warps=1)}
+            "sixteen-token-tiles-2-per-sm": LaunchConfig(tile=16, programs_per_sm=2)}
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
@@ -121,13 +119,6 @@ def test_a_filled_count_that_is_not_a_0d_integer_tensor_is_refused(filled):
         decode_attention(query, 0.125, quantized=dataclasses.replace(region, filled=filled), exact=segments)
 
 
-@pytest.mark.parametrize("slices", [3, 8], ids=["not-a-power-of-two", "under-16-tokens"])
-def test_key_slices_the_fast_split_cannot_take_are_refused(slices):
-    # compact's tile is its 64-token key block: 8 slices would be 8 tokens each, under a product's least size
-    with pytest.raises(ValueError, match=f"{slices} slices of a 64-token tile: 1, 2 or 4 slices of at least 16"):
-        _preset("compact", launch=LaunchConfig(slices=slices))
-
-
 def test_pipeline_stages_follow_the_h200_sweep():
     # results/gpu/h200_tune: 1 stage fastest for 64-token tiles, 2 for 32; Triton's default 3 ran float32 out of
     # shared memory with 64-token tiles; 128-token tiles take 1 like 64 (2 stages would not fit sm_89's shared
@@ -135,25 +126,22 @@ def test_pipeline_stages_follow_the_h200_sweep():
     assert [pipeline_stages(t) for t in (128, 64, 32, 16)] == [1, 1, 2, 2]
 
 
-def test_fast_path_warps_slices_and_operand_sides_follow_the_kernel_report():
+def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     # results/gpu/kernel_report.md (sm_90a): at least 16 tokens of a tile per warp, 2 warps below 128-token tiles
-    # unless the keys have wide channels; 4-bit keys without them in halves of their block; codes on the left of their
-    # products except for keys with wide channels, keys only where each warp holds whole 16-token fragments
-    def keys(bits=4, wide=None, block=64, layout="tokens"):
-        return dataclasses.make_dataclass("Keys", ["bits", "wide_bits", "block_size", "layout"])(bits, wide, block,
-                                                                                                  layout)
+    # unless the keys have wide channels (or the card is older than sm_89); value codes on the left of their product,
+    # key codes where each warp holds whole 16-token fragments
+    keys = dataclasses.make_dataclass("Keys", ["wide_bits"])
     region = dataclasses.make_dataclass("Region", ["keys"])
-    plain, wide = region(keys()), region(keys(wide=torch.zeros(1)))
+    plain, wide = region(keys(None)), region(keys(torch.zeros(1)))
     assert [fast_warps(t, plain) for t in (128, 64, 32, 16)] == [4, 2, 2, 1]
     assert [fast_warps(t, wide) for t in (128, 64, 32, 16)] == [4, 4, 2, 1]
-    assert fast_slices(plain, 64) == fast_slices(region(keys(block=32)), 32) == 2
-    assert fast_slices(plain, 32) == 1  # a tile inside a 64-token block: its halves are not nibbles
-    assert fast_slices(wide, 64) == 1
-    assert fast_slices(region(keys(bits=3)), 64) == fast_slices(region(keys(bits=8)), 128) == 1
+    assert [fast_warps(64, plain, capability) for capability in (80, 86, 89, 90)] == [4, 4, 2, 2]  # sm_80: 255 regs
     assert codes_left(plain, 128, 4, True) == {"K_LEFT": True, "V_LEFT": True}
     assert codes_left(plain, 32, 4, True) == {"K_LEFT": False, "V_LEFT": True}  # 8 tokens per warp
-    assert codes_left(wide, 64, 4, True) == {"K_LEFT": False, "V_LEFT": False}
+    assert codes_left(wide, 64, 4, True) == {"K_LEFT": True, "V_LEFT": True}
     assert codes_left(plain, 128, 4, False) == {"K_LEFT": False, "V_LEFT": False}  # the generic path
+    assert codes_left(plain, 32, 2, True, 89) == {"K_LEFT": False, "V_LEFT": True}  # lean spilled so on sm_89
+    assert codes_left(plain, 32, 2, True, 90) == codes_left(plain, 32, 2, True) == {"K_LEFT": True, "V_LEFT": True}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
