@@ -148,7 +148,7 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     m, l_ = torch.empty(2, b * heads, n_splits, rows, dtype=torch.float32, device=query.device)
     small = d_pad * r_pad <= 4096  # query rows x channels: the accumulator a program holds
     capability = launch.capability or _capability(query.device)
-    num_warps = launch.num_warps or ((fast_warps(tile, quantized, capability) if fast else 4) if small else 8)
+    num_warps = launch.num_warps or ((fast_warps(tile, quantized, capability, r_pad) if fast else 4) if small else 8)
     stages = launch.num_stages or pipeline_stages(tile)
     has_quant = quantized is not None
     exact_args = [_exact_args(seg, attention_mask, q_len, hq) for seg in segments]
@@ -203,16 +203,17 @@ class LaunchConfig:
 _DEFAULT_LAUNCH = LaunchConfig()  # made once: the decode step's path builds nothing it does not need
 
 
-def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int | None = None) -> int:
+def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int | None = None, rows: int = 4) -> int:
     """Warps per program on the fast path: at least 16 tokens of a tile per warp, at most 4 for 128-token tiles and 2
     for shorter ones, except 4 for 64-token tiles of keys with wide channels (``compact``, ``max``: with 2 warps they
     take 235-253 registers, at the cap) and for any 64-token tile on cards before sm_89 (``capability``, major * 10 +
     minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80. Fewer warps hold more of
     a tile each, and the per-tile steps shared by all warps (row max and sums across warps, barriers) are paid fewer
     times: on sm_90a ``tight`` issues 0.31 warp instructions per byte with 2 warps, 0.39 with 4 (kernel_report.md).
-    One warp would issue less still (``lean`` 0.17) but takes 255 registers."""
+    One warp would issue less still (``lean`` 0.17) but takes 255 registers. More than 8 padded query ``rows`` (GQA 4
+    with 5 query tokens pads 20 to 32) take 4 warps for 64-token tiles: ``tight`` spilled 320 B so with 2."""
     wide = region is not None and region.keys.wide_bits is not None
-    four = tile >= 128 or (tile == 64 and (wide or (capability is not None and capability < 89)))
+    four = tile >= 128 or (tile == 64 and (wide or rows > 8 or (capability is not None and capability < 89)))
     return max(1, min(4 if four else 2, tile // 16))
 
 

@@ -136,6 +136,7 @@ def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     assert [fast_warps(t, plain) for t in (128, 64, 32, 16)] == [4, 2, 2, 1]
     assert [fast_warps(t, wide) for t in (128, 64, 32, 16)] == [4, 4, 2, 1]
     assert [fast_warps(64, plain, capability) for capability in (80, 86, 89, 90)] == [4, 4, 2, 2]  # sm_80: 255 regs
+    assert [fast_warps(64, plain, 90, rows) for rows in (4, 8, 32)] == [2, 2, 4]  # 5 query tokens x GQA 4: 32 rows
     assert codes_left(plain, 128, 4, True) == {"K_LEFT": True, "V_LEFT": True}
     assert codes_left(plain, 32, 4, True) == {"K_LEFT": False, "V_LEFT": True}  # 8 tokens per warp
     assert codes_left(wide, 64, 4, True) == {"K_LEFT": True, "V_LEFT": True}
