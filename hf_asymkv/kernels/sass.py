@@ -103,15 +103,20 @@ def compile_launch(kernel, grid, args, options):
     return kernel.warmup(*args, grid=grid, **options)
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str:
+def _read_cubin(cubin: bytes, tool: str, *flags: str) -> str:
+    """The output of the triton wheel's NVIDIA ``tool`` (``"cuobjdump"``, ``"nvdisasm"``) run on ``cubin``."""
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        done = subprocess.run([knobs.nvidia.cuobjdump.path, flag, str(path)], capture_output=True, text=True,
+        done = subprocess.run([getattr(knobs.nvidia, tool).path, *flags, str(path)], capture_output=True, text=True,
                               check=True)
     return done.stdout
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    return _read_cubin(cubin, "cuobjdump", flag)
 
 
 def disassemble(cubin: bytes) -> str:
@@ -188,16 +193,10 @@ def code_loop_lines(cubin: bytes) -> dict[tuple[str, int], Counter]:
     """The instructions of :func:`code_loop` by the source line they come from: ``(file name, line)`` -> opcode
     counts, most instructions first (``("?", 0)``: no line recorded). What ``scripts/kernel_report.py --lines``
     prints: where a loop's instructions go, in the kernel's own terms."""
-    from triton import knobs
-
-    span = _code_span(disassemble(cubin))
+    span = _code_span(disassemble(cubin))  # cuobjdump's listing: branches name their targets by address
     if span is None:
         return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        listing = subprocess.run([knobs.nvidia.nvdisasm.path, "-g", "-c", str(path)], capture_output=True,
-                                 text=True, check=True).stdout
+    listing = _read_cubin(cubin, "nvdisasm", "-g", "-c")  # the same addresses, with the line notes
     table = line_table(listing)
     counts: dict[tuple[str, int], Counter] = {}
     for address, text in instructions(listing):

@@ -80,4 +80,3 @@ def test_markdown_puts_the_baseline_beside(tmp_path):
     assert "| balanced | 64 | 4 | 1 | 1000 | **0.200** | 0.318 | 0.10 |" in text
     assert "| max | 64 | 4 | 1 | 1000 | **1.500** | - | 0.25 |" in text  # no figure before
     assert "at commit 0b85056" in text and "| H200 | sm_90a | 132 | 1.98 | 4.8 | 0.218 |" in text
-
