@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             args.baseline_figures = kr.baseline(args.baseline)
         except ValueError as exc:
             p.error(f"--baseline {exc}")
+    if args.lines < 0:
+        p.error(f"--lines must be >= 0 (source lines to print per configuration), got {args.lines}")
     if args.context < 512:
         p.error(f"--context must be >= 512 (every preset then quantizes blocks), got {args.context}")
     try:

@@ -40,7 +40,8 @@ def test_bad_configuration_names_are_refused(case):
 BAD_FLAGS = {"baseline": (["--baseline", "/nonexistent/kernel_report.json"], "--baseline /nonexistent"),
              "context": (["--context", "100"], "--context must be >= 512"),
              "head-dim": (["--head-dims", "512"], "--head-dims must be in \\[1, 256\\], got \\[512\\]"),
-             "configs": (["--configs", "balanced-bf16"], "expected PRESET-DTYPE")}
+             "configs": (["--configs", "balanced-bf16"], "expected PRESET-DTYPE"),
+             "lines": (["--lines", "-3"], "--lines must be >= 0 \\(source lines to print per configuration\\), got -3")}
 
 
 @pytest.mark.parametrize("case", list(BAD_FLAGS), ids=list(BAD_FLAGS))
