@@ -165,12 +165,25 @@ def measure(configs: list[Config], context: int = CONTEXT, progress=None, lines:
     ``lines`` source lines that issue the most (``row["lines"]``: file, line, instructions, opcode counts; see
     :func:`~hf_asymkv.kernels.sass.code_loop_lines`)."""
     from ..kernels import sass
+    from ..kernels.decode import settle_spills, spill_alternatives
 
     rows = []
     for config in sorted(configs, key=lambda c: (c.preset, c.dtype, c.head_dim, c.arch, c.rows)):
         launches, region = _launches(config, context)
+        built = {}
+
+        def local_bytes(launch) -> int:
+            built[launch.options["num_warps"]] = compiled = sass.compile_launch(launch.kernel, launch.grid,
+                                                                                 launch.args, launch.options)
+            return sass.stats(compiled).local_bytes
+
         with sass.cuda_target(sass.ARCHES[config.arch]):
-            compiled = [sass.compile_launch(k.kernel, k.grid, k.args, k.options) for k in launches]
+            # the launcher's fallbacks when the planned launch spills (decode.spill_alternatives), as on the card
+            candidates = spill_alternatives(launches[0])
+            chosen, tried = settle_spills(candidates, local_bytes)
+            launches = (candidates[chosen], *launches[1:])
+            compiled = [built[launches[0].options["num_warps"]],
+                        *(sass.compile_launch(k.kernel, k.grid, k.args, k.options) for k in launches[1:])]
         partial, merge = (sass.stats(c) for c in compiled)
         options = launches[0].options
         tile_bytes = token_bytes(region) * options["TILE"]
@@ -183,7 +196,9 @@ def measure(configs: list[Config], context: int = CONTEXT, progress=None, lines:
                "per_byte_by_class": {k: v * partial.num_warps / tile_bytes for k, v in partial.loop.items()},
                "merge": {"registers": merge.registers, "local_bytes": merge.local_bytes,
                          "spill_instructions": merge.spill_instructions, "shared_bytes": merge.shared_bytes},
-               "shared_limit": sass.SHARED_LIMIT_BYTES[sass.ARCHES[config.arch]]}
+               "shared_limit": sass.SHARED_LIMIT_BYTES[sass.ARCHES[config.arch]],
+               # the launches tried (planned first, then the launcher's fallbacks): local bytes of each, the one kept
+               "spill_tries": tried, "fallback": chosen}
         if lines:
             found = sass.code_loop_lines(compiled[0].asm["cubin"])
             row["lines"] = [{"file": file, "line": line, "instructions": sum(ops.values()), "opcodes": dict(ops)}
@@ -203,6 +218,8 @@ def _flags(row: dict) -> str:
     from ..kernels.sass import REGISTER_CAP
 
     problems = []
+    if len(row.get("spill_tries", ())) > 1:
+        problems.append(f"planned launch spilled {row['spill_tries'][0]} B, fell back to {row['num_warps']} warps")
     if row["local_bytes"] or row["spill_instructions"]:
         problems.append(f"spills ({row['local_bytes']} B local, {row['spill_instructions']} LDL/STL)")
     if row["registers"] >= REGISTER_CAP:

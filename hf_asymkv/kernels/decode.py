@@ -10,6 +10,7 @@ without making them (:class:`KernelLaunch`): the kernel report compiles them for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from .triton_decode import (
 )
 
 __all__ = ["INTERPRETED", "KernelLaunch", "LaunchConfig", "decode_attention", "launch_decode_attention",
-           "pipeline_stages", "plan_decode_attention"]
+           "pipeline_stages", "plan_decode_attention", "settle_spills", "spill_alternatives"]
 
 FAST_MAX_TILE = 128  # tokens per tile on the fast path: a key block of balanced and quality
 MERGE_ELEMENTS = 4096  # a merge program holds (splits x channels) of one row: at most this many floats
@@ -102,9 +103,61 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
     launches, out = plan_decode_attention(query, scaling, quantized=quantized, exact=exact,
                                           attention_mask=attention_mask, kv_len=kv_len,
                                           tiles_per_split=tiles_per_split, launch=launch)
-    for kernel_launch in launches:
+    partial, merge = launches
+    if launch is None or launch.num_warps is None:
+        partial = _spill_free(partial)
+    for kernel_launch in (partial, merge):
         kernel_launch.kernel[kernel_launch.grid](*kernel_launch.args, **kernel_launch.options)
     return out
+
+
+_SPILL_FREE: dict[tuple, int] = {}
+"""Per process: a partial launch's options (as planned) -> the index, in :func:`spill_alternatives`, of the settings
+its launches take (the first that compiled without spilling on this device)."""
+
+
+def spill_alternatives(launch: KernelLaunch) -> tuple[KernelLaunch, ...]:
+    """The partial-attention launch as planned, then what the launcher falls back to, in order, when the compiled
+    kernel spills registers to local memory on the card: twice the warps, then 8 (the tile spread over more threads,
+    fewer registers each). The kernel report measured the planned settings to issue the fewest instructions per byte
+    where they do not spill (kernel_report.md); the fallbacks cover what its grid cannot foresee (other Triton
+    versions, shapes it does not compile)."""
+    warps = launch.options["num_warps"]
+    found = [launch]
+    for more in (2 * warps, 8):
+        if more > found[-1].options["num_warps"] and more <= 8:
+            found.append(dataclasses.replace(launch, options={**launch.options, "num_warps": more}))
+    return tuple(found)
+
+
+def settle_spills(candidates: tuple[KernelLaunch, ...], local_bytes) -> tuple[int, list[int]]:
+    """``(index of the launch to keep, local bytes of each candidate tried)``: the first of ``candidates`` whose
+    ``local_bytes(launch)`` (spilled bytes per thread of its compiled kernel) is 0, else the one that spills least."""
+    tried = []
+    for candidate in candidates:
+        tried.append(local_bytes(candidate))
+        if tried[-1] == 0:
+            break
+    return tried.index(min(tried)), tried
+
+
+def _spill_free(partial: KernelLaunch) -> KernelLaunch:
+    """``partial`` with the settings :data:`_SPILL_FREE` holds for it; the first launch of new options launches the
+    candidates of :func:`spill_alternatives` until one compiles without spilling (the partial kernel writes all its
+    outputs, so a launch repeated with other warps leaves the same result). Under the interpreter nothing compiles."""
+    if INTERPRETED:
+        return partial
+    key = tuple(partial.options.items())
+    index = _SPILL_FREE.get(key)
+    candidates = spill_alternatives(partial)
+    if index is None:
+        def launched_spills(candidate: KernelLaunch) -> int:
+            compiled = candidate.kernel[candidate.grid](*candidate.args, **candidate.options)
+            return int(getattr(compiled, "n_spills", 0) or 0)
+
+        index, _ = settle_spills(candidates, launched_spills)
+        _SPILL_FREE[key] = index
+    return candidates[index]
 
 
 @dataclass(frozen=True)
@@ -331,13 +384,15 @@ def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
 
 def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:
     """Whether the kernel reads ``region`` on its fast path (:mod:`.triton_codes`): int8 or token-packed codes,
-    keys with one scale per channel (or per head) per block, values with one scale per token, blocks made of whole
+    keys with one scale per channel (or per head) per block, values with one scale per token and head, or per token
+    and half head of at least 16 channels (head_dim 256 with the default 128-channel groups), blocks made of whole
     tiles (``tile``, default the fast path's own), a power-of-two head_dim."""
     keys, values = region.keys, region.values
     tile = tile or tile_tokens(region, FAST_MAX_TILE)
     if keys.head_dim != d_pad or keys.token_group % tile or keys.channel_group not in (1, keys.head_dim):
         return False
-    if values.token_group != 1 or values.channel_group != values.head_dim:
+    halves = values.channel_group == values.head_dim // 2 and values.channel_group >= 16
+    if values.token_group != 1 or (values.channel_group != values.head_dim and not halves):
         return False
     for stored in (keys, values):
         if stored.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

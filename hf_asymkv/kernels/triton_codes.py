@@ -219,7 +219,28 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
 
 
 @triton.jit
-def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t, vs_base, vz_base, svs_t,
+def _value_group(p, alpha, acc, z_i, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, ch, ASM: tl.constexpr,
+                 QDOT: tl.constexpr, HEAD_DIM: tl.constexpr, PACKED: tl.constexpr, FLIP: tl.constexpr,
+                 W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                 LEFT: tl.constexpr):
+    """One value group's step: ``(acc * alpha + w . X, z * alpha + the tile's share)`` for weights ``p`` ``[R, T]``,
+    the group's channels ``ch`` ``[C]`` (its accumulator ``[R, C]``, its per-row constant ``z_i`` ``[R]``), its
+    scales and zeros at ``vs_base``/``vz_base`` (one per token)."""
+    vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
+    if PACKED:
+        acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % PB) * svc_t, t0 % PB + tok, ch,
+                                     svc_t, vs, ASM, QDOT, HEAD_DIM, W0, W1, PB, 0, True, LEFT)
+    else:
+        acc, magic = _value_products(p, acc * alpha[:, None], vc_base + t0 * svc_t, tok, ch, svc_t, vs, ASM, QDOT,
+                                     HEAD_DIM, 8, 0, 1, FLIP, False, LEFT)
+    zero = -OFFSET * vs
+    if ZERO:
+        zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
+    return acc, z_i * alpha + tl.sum(magic + p * zero[None, :], 1)
+
+
+@triton.jit
+def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t, vs_base, vz_base, svs_t, svs_d,
                kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, mask_ptr, sm_b, sm_h, sm_q, sm_k,
                col0, t_start, t_stop, b, heads, qpos, rows_ok, q_len, kv_len,
                HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, MASK: tl.constexpr,
@@ -227,21 +248,31 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
                K_PACKED: tl.constexpr, K_FLIP: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
                K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
                K_OFFSET: tl.constexpr, V_PACKED: tl.constexpr, V_FLIP: tl.constexpr, V_W0: tl.constexpr,
-               V_W1: tl.constexpr, V_PB: tl.constexpr, V_ZERO: tl.constexpr, V_OFFSET: tl.constexpr,
-               K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr):
+               V_W1: tl.constexpr, V_PB: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
+               V_OFFSET: tl.constexpr, K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_LEFT: tl.constexpr,
+               V_LEFT: tl.constexpr):
     """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles, ``TILE`` dividing the key scale group
     ``K_TG`` and the packing blocks): ``(acc [R, D], m [R], l [R])`` (the values' per-row constant already added).
 
     Code offsets (``K_OFFSET``, ``V_OFFSET``): what to subtract from the stored unsigned code to get the code the scale
     multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0). ``K_LEFT`` and
     ``V_LEFT`` put the codes on the left of their products (:func:`_scores`, :func:`_mix`): the same sums, laid out
-    differently by the compiler; the launcher picks them per format (``hf_asymkv.kernels.decode.codes_left``)."""
+    differently by the compiler; the launcher picks them per format (``hf_asymkv.kernels.decode.codes_left``).
+
+    Values carry one scale (and zero) per token and group of ``V_CG`` channels: the whole head (``V_CG ==
+    HEAD_DIM``) or its two halves (head_dim 256 with the default 128-channel groups). Two groups take one product
+    each, into accumulators of their own (:func:`_value_group`), joined once at the end."""
+    GROUPS: tl.constexpr = HEAD_DIM // V_CG
+    tl.static_assert(GROUPS == 1 or GROUPS == 2, "one or two value groups per token")
     ch = tl.arange(0, HEAD_DIM)
+    vch = tl.arange(0, V_CG)  # the first value group's channels
     tok = tl.arange(0, TILE)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([R_PAD], tl.float32)
-    z_i = tl.zeros([R_PAD], tl.float32)  # the values' per-row constant, beside acc
-    acc = tl.zeros([R_PAD, HEAD_DIM], tl.float32)
+    z_i = tl.zeros([R_PAD], tl.float32)  # the values' per-row constant, beside acc (the first group's)
+    acc = tl.zeros([R_PAD, V_CG], tl.float32)  # the first value group's channels (all of them for one group)
+    z_hi = tl.zeros([R_PAD], tl.float32)  # the second group's (unused for one group)
+    acc_hi = tl.zeros([R_PAD, V_CG], tl.float32)
     q_dot = q.to(QDOT)  # the scale multiplies in the operand dtype (fp16 pairs on a GPU): one rounding less to pay
     for t0 in range(t_start, t_stop, TILE):
         meta = (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d
@@ -276,15 +307,13 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         p = tl.exp2(scores - (m_safe - const)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
-        if V_PACKED:
-            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % V_PB) * svc_t, t0 % V_PB + tok,
-                                         ch, svc_t, vs, ASM, QDOT, HEAD_DIM, V_W0, V_W1, V_PB, 0, True, V_LEFT)
-        else:
-            acc, magic = _value_products(p, acc * alpha[:, None], vc_base + t0 * svc_t, tok, ch, svc_t, vs, ASM, QDOT,
-                                         HEAD_DIM, 8, 0, 1, V_FLIP, False, V_LEFT)
-        zero = -V_OFFSET * vs
-        if V_ZERO:
-            zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
-        z_i = z_i * alpha + tl.sum(magic + p * zero[None, :], 1)
-    return acc + z_i[:, None], m_i, l_i
+        acc, z_i = _value_group(p, alpha, acc, z_i, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, vch, ASM, QDOT,
+                                HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, V_LEFT)
+        if GROUPS == 2:
+            acc_hi, z_hi = _value_group(p, alpha, acc_hi, z_hi, vc_base, svc_t, vs_base + svs_d, vz_base + svs_d,
+                                        svs_t, t0, tok, vch + V_CG, ASM, QDOT, HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1,
+                                        V_PB, V_ZERO, V_OFFSET, V_LEFT)
+    acc += z_i[:, None]
+    if GROUPS == 2:  # [R, 2, D / 2] -> [R, D]: the halves side by side
+        acc = tl.reshape(tl.permute(tl.join(acc, acc_hi + z_hi[:, None]), [0, 2, 1]), [R_PAD, HEAD_DIM])
+    return acc, m_i, l_i

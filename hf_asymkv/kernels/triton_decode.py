@@ -305,12 +305,13 @@ def partial_attention_kernel(
                 acc, m_i, l_i = fast_split(
                     q, kc_ptr + b * skc_b + h * skc_h, skc_t, ks_ptr + b * sks_b + h * sks_h,
                     kz_ptr + b * sks_b + h * sks_h, sks_t, sks_d, vc_ptr + b * svc_b + h * svc_h, svc_t,
-                    vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h, svs_t,
+                    vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h, svs_t, svs_d,
                     kw_ptr + b * skw_b + h * skw_h, skw_t, skw_p, kwc_ptr + b * skwc_b + h * skwc_h, skwc_n, skwc_r,
                     qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, stop, b, heads, qpos, rows_ok, q_len, kv_len,
                     HEAD_DIM, R_PAD, TILE, Q_MASK, QDOT, ASM,
                     K_KIND == 3, K_FLIP, K_W0, K_W1, K_PB, K_TG, K_CG, K_ZERO, K_OFFSET,
-                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_LEFT, V_LEFT)
+                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_CG, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_LEFT,
+                    V_LEFT)
             else:
                 acc, m_i, l_i = _quant_split(
                     q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,

@@ -7,6 +7,7 @@ Both sides read the same codes, so the difference is float rounding only: SQNR >
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -14,13 +15,18 @@ from kernel_cases import PAD, build, formats, padded_causal_mask, reference, spe
 
 from hf_asymkv.core.presets import PRESETS
 from hf_asymkv.core.quant import QuantSpec, sqnr_db
+from hf_asymkv.kernels import decode
 from hf_asymkv.kernels.decode import (
+    KernelLaunch,
     LaunchConfig,
     codes_left,
     decode_attention,
+    fast_path,
     fast_warps,
     launch_decode_attention,
     pipeline_stages,
+    settle_spills,
+    spill_alternatives,
 )
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
@@ -70,6 +76,17 @@ def test_formats(name, heads_and_query):
 @pytest.mark.parametrize("name", NAMES, ids=NAMES)
 def test_head_dim_128(name):
     out, ref = _preset(name, head_dim=128, n_rep=4, blocks=1)
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_head_dim_256_reads_two_value_groups_on_the_fast_path(name):
+    # Gemma's head_dim: values carry a scale per 128 channels (the default group), two per token; the fast path
+    # takes one product per group into accumulators of their own (measured 68-88 dB)
+    config, block = FORMATS[name]
+    region, _, _, _ = build(*specs(config, 256), block, head_dim=256, blocks=1)
+    assert region.values.channel_group == 128 and fast_path(region, 256)
+    out, ref = _preset(name, head_dim=256, n_rep=4, blocks=1)
     assert sqnr_db(ref, out) >= FLOAT32_DB
 
 
@@ -145,6 +162,51 @@ def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     assert codes_left(plain, 32, 2, True, 90) == codes_left(plain, 32, 2, True) == {"K_LEFT": True, "V_LEFT": True}
 
 
+class _SpillingKernel:
+    """A stand-in for a compiled Triton kernel: each launch records its warps and reports the local bytes the
+    compiled kernel spilled (``n_spills``, what Triton's CompiledKernel holds after a launch)."""
+
+    def __init__(self, spills: dict[int, int]):
+        self.spills, self.launched = spills, []
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, **options):
+            self.launched.append(num_warps)
+            return types.SimpleNamespace(n_spills=self.spills[num_warps])
+        return run
+
+
+def test_a_launch_that_spills_falls_back_to_more_warps_once(monkeypatch):
+    monkeypatch.setattr(decode, "INTERPRETED", False)  # the fallback reads what a GPU compile spilled
+    monkeypatch.setattr(decode, "_SPILL_FREE", {})
+    kernel = _SpillingKernel({2: 96, 4: 8, 8: 0})
+    planned = KernelLaunch(kernel, (1, 1), (), {"TILE": 64, "num_warps": 2})
+    assert decode._spill_free(planned).options == {"TILE": 64, "num_warps": 8}
+    assert kernel.launched == [2, 4, 8]
+    assert decode._spill_free(planned).options["num_warps"] == 8 and kernel.launched == [2, 4, 8]  # remembered
+    kept = KernelLaunch(_SpillingKernel({4: 0, 8: 0}), (1, 1), (), {"TILE": 128, "num_warps": 4})
+    assert decode._spill_free(kept) is kept and kept.kernel.launched == [4]
+
+
+def test_spill_fallbacks_and_the_choice_among_them():
+    def warps(n):
+        return [c.options["num_warps"] for c in spill_alternatives(KernelLaunch(None, (1,), (), {"num_warps": n}))]
+
+    assert [warps(n) for n in (1, 2, 4, 8)] == [[1, 2, 8], [2, 4, 8], [4, 8], [8]]
+    assert settle_spills((1, 2, 3), {1: 0, 2: 0, 3: 0}.get) == (0, [0])
+    assert settle_spills((1, 2, 3), {1: 96, 2: 0, 3: 0}.get) == (1, [96, 0])
+    assert settle_spills((1, 2, 3), {1: 96, 2: 8, 3: 16}.get) == (1, [96, 8, 16])  # all spill: the least
+
+
+def test_warps_the_caller_sets_are_kept(monkeypatch):
+    seen = []
+    monkeypatch.setattr(decode, "_spill_free", lambda launch: seen.append(launch.options["num_warps"]) or launch)
+    _preset("balanced", n_rep=4, q_len=1, launch=LaunchConfig(num_warps=8))
+    _preset("balanced", n_rep=4, q_len=1, launch=LaunchConfig(tile=64))
+    _preset("balanced", n_rep=4, q_len=1)
+    assert seen == [2, 4]  # the planned warps went through the fallback; the caller's 8 did not
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", [*PRESETS, "fp8_e4m3-keys"])
 def test_half_precision(name, dtype):
@@ -159,7 +221,8 @@ VALUE_LAYOUTS = {
     # token-packed blocks holds), two scale groups per token, and one scale per block and channel
     "int4-head_dim-packed": (QuantSpec("int4", "token", 64, symmetric=False), 1),
     "int3-head_dim-packed": (QuantSpec("int3", "token", 64, symmetric=False), 1),
-    "int4-two-groups": (QuantSpec("int4", "token", 32, symmetric=False), 32),
+    "int4-two-groups": (QuantSpec("int4", "token", 32, symmetric=False), 32),  # the fast path's two groups
+    "int4-four-groups": (QuantSpec("int4", "token", 16, symmetric=False), 32),  # the generic path's tile scaling
     "int4-symmetric": (QuantSpec("int4", "token", 64), 32),
     "int8-per-block-channel": (QuantSpec("int8", "channel", symmetric=False), 32),
     "int8-rotated-symmetric": (QuantSpec("int8", "token", 64, rotated=True), 32),
@@ -173,6 +236,7 @@ def test_value_layouts(layout):
     values, dense_v = stored(torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(3)), value_spec,
                              value_block)
     region = QuantizedRegion(region.keys, values, start=region.start)
+    assert fast_path(region, 64) == (layout in ("int4-two-groups", "int4-symmetric", "int8-rotated-symmetric"))
     v = torch.cat([v[:, :, :4], dense_v, v[:, :, 68:]], 2)
     query = torch.randn(2, 6, 5, 64, generator=torch.Generator().manual_seed(4))
     mask = padded_causal_mask(2, 5, k.shape[2])
