@@ -8,7 +8,11 @@ What is compiled, one configuration per test (so that pytest-xdist spreads them;
 Triton cache):
 - every preset at issue 37's goal shapes (sm_90a, bf16, head_dim 128, GQA 4, 1 query token);
 - on sm_89, the card with the least shared memory (99 KiB), the launch that asks the most of it at those shapes: the
-  128-token tiles of ``balanced`` (the fast path's largest; with 2 pipeline stages it asked 129 KiB).
+  128-token tiles of ``balanced`` (the fast path's largest; with 2 pipeline stages it asked 129 KiB);
+- every preset at Gemma-3's decode shapes (sm_90a, bf16, head_dim 256, GQA 4, 1 query token): values with two scale
+  groups per token, on the fast path since 2026-12-06 (on the generic path they issued 0.8-2.2 warp instructions per
+  byte and ``max`` spilled 488 B on sm_80). Registers are not bounded there: ``balanced`` takes all 255 without
+  spilling, and 8 warps would issue 17% more.
 
 Not guarded (they do not fit, before the rewrite and after: results/gpu/kernel_report_before.md): the largest shapes
 the launcher accepts, head_dim 256 with 128 query rows (float32 on sm_90a, bf16 on sm_89).
@@ -36,6 +40,7 @@ GOAL_SHAPE = "bf16-d128-gqa4-q1"
 PRESETS = ("quality", "balanced", "lean", "compact", "tight", "max")
 GOALS = [f"{preset}-{GOAL_SHAPE}-sm_90a" for preset in PRESETS]
 SHARED = [f"balanced-{GOAL_SHAPE}-sm_89"]
+GEMMA = [f"{preset}-bf16-d256-gqa4-q1-sm_90a" for preset in PRESETS]
 CONVERSION_GUARDED = ("balanced", "lean")  # int8 and int4 codes: issue 37 asks <= 0.01 conversions per byte
 # Both are under 0.01 since the kernel's query rows pad to 4 (kernel_report.md: balanced 0.0009, lean 0.0042); the
 # bound is 0.01, or a committed figure above it.
@@ -64,7 +69,7 @@ def _committed_row(name: str) -> dict | None:
     return next((r for r in json.loads(REPORT.read_text())["rows"] if r["name"] == name), None)
 
 
-def _check_resources(row: dict) -> None:
+def _check_resources(row: dict, register_cap: bool = True) -> None:
     from hf_asymkv.kernels.sass import REGISTER_CAP
 
     name = row["name"]
@@ -72,7 +77,7 @@ def _check_resources(row: dict) -> None:
     assert row["local_bytes"] <= was["local_bytes"] and row["spill_instructions"] <= was["spill_instructions"], \
         f"{name} spills: {row['local_bytes']} B, {row['spill_instructions']} LDL/STL"
     assert (row["merge"]["local_bytes"], row["merge"]["spill_instructions"]) == (0, 0), f"{name}: the merge spills"
-    assert row["registers"] < REGISTER_CAP, f"{name}: {row['registers']} registers"
+    assert not register_cap or row["registers"] < REGISTER_CAP, f"{name}: {row['registers']} registers"
     for kernel, used in (("partial", row["shared_bytes"]), ("merge", row["merge"]["shared_bytes"])):
         assert used <= row["shared_limit"], f"{name}: the {kernel} kernel asks {used} B > {row['shared_limit']} B"
 
@@ -90,6 +95,16 @@ def test_goal_shapes_within_committed_instructions(name, tmp_path):
         assert row["per_byte_by_class"]["conversion"] <= bound + 1e-5, f"{name}: {row['per_byte_by_class']['conversion']:.4f}"
 
 
+@pytest.mark.parametrize("name", GEMMA, ids=PRESETS)
+def test_head_dim_256_within_committed_instructions(name, tmp_path):
+    import triton
+
+    row = _compile(name, tmp_path)
+    _check_resources(row, register_cap=False)
+    committed = _committed_figure(name, triton.__version__)
+    assert row["per_byte"] <= committed + 1e-4, f"{name}: {row['per_byte']:.4f} warp instr/byte > {committed:.4f}"
+
+
 @pytest.mark.parametrize("name", SHARED, ids=[n.split("-")[0] for n in SHARED])
 def test_largest_tiles_fit_sm_89(name, tmp_path):
     _check_resources(_compile(name, tmp_path))
@@ -98,7 +113,8 @@ def test_largest_tiles_fit_sm_89(name, tmp_path):
 def test_guard_file_names_every_goal():
     figures = json.loads(GUARD.read_text())["figures"]
     for version, by_name in figures.items():
-        assert set(GOALS) <= set(by_name), f"Triton {version}: no figure for {sorted(set(GOALS) - set(by_name))}"
+        missing = sorted(set(GOALS + GEMMA) - set(by_name))
+        assert not missing, f"Triton {version}: no figure for {missing}"
 
 
 def test_source_lines_account_for_the_whole_code_loop(tmp_path):
