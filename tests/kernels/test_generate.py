@@ -81,3 +81,27 @@ def test_other_tiny_models_greedy_matches_dense(request, name, prompt, triton_ca
 
     assert torch.equal(run(fused), run(model))
     assert triton_calls
+
+
+@pytest.mark.parametrize("preset", ["balanced", "compact"])
+def test_head_dim_256_greedy_matches_dense(prompt, preset, triton_calls):
+    """Gemma-3's head shape (head_dim 256, one KV head for 4 query heads) on a tiny random Llama: the values' two
+    128-channel scale groups take the fast path's two products."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=1, vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    register_attention()
+    fused = copy.deepcopy(model)
+    fused.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def run(m):
+        cache = AsymKVCache.from_preset(preset, m.config, residual_length=8, key_block_size=32)
+        return m.generate(prompt, **cache_kwargs(cache), max_new_tokens=8, do_sample=False)
+
+    assert torch.equal(run(fused), run(model))
+    assert triton_calls
