@@ -77,12 +77,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _commit() -> str:
+    """The checkout's commit, ``+changes`` when the package's files differ from it: taken when the run starts, the
+    code its compiles read (a run takes minutes; a commit made meanwhile is not what it measured)."""
+    here = Path(__file__).resolve().parent
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent)
+                              cwd=here)
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "hf_asymkv"], capture_output=True, text=True,
+                                 check=True, cwd=here.parent)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return done.stdout.strip()
+    return done.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     configs = args.configs or kr.grid(args.presets, args.dtypes, args.head_dims, args.rows, args.arches)
     if not args.no_shared and args.configs is None:
         configs += [c for c in kr.shared_cases(args.presets, args.arches) if c not in configs]
-    started = time.monotonic()
+    started, commit = time.monotonic(), _commit()
 
     def progress(row: dict) -> None:
         if not args.quiet:
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = kr.measure(configs, args.context, progress, args.lines)
     command = "python " + " ".join(shlex.quote(a) for a in ["scripts/kernel_report.py", *(argv or sys.argv[1:])])
-    meta = {"command": command, "triton": triton.__version__, "torch": torch.__version__, "commit": _commit(),
+    meta = {"command": command, "triton": triton.__version__, "torch": torch.__version__, "commit": commit,
             "context": args.context, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "seconds": round(time.monotonic() - started, 1)}
     report = {"meta": meta, "cards": [dict(name=c.name, arch=c.arch, budget=c.budget) for c in kr.CARDS],
