@@ -92,8 +92,12 @@ def split_wide(stored: torch.Tensor, channels: torch.Tensor, bits: int, block_si
     codes = stored.to(torch.uint8)
     high = codes.gather(-1, _spread(channels, block_size)) >> bits  # [B, H, T, R], 0 or 1
     padded = torch.nn.functional.pad(high, (0, -high.shape[-1] % 8))
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=codes.device)
-    packed = (padded.view(*padded.shape[:-1], -1, 8) * weights).sum(-1, dtype=torch.uint8)  # [B, H, T, ceil(R / 8)]
+    slots = padded.view(*padded.shape[:-1], -1, 8)  # [B, H, T, ceil(R / 8), 8]
+    # bits OR-ed in one by one, not a uint8 sum of weighted bits: inductor's AVX2 code for a uint8 sum over 8 lanes
+    # (torch 2.13, a Zen 3 CPU) added 24 to every byte, so a compiled flush stored other bits than an eager one
+    packed = slots[..., 0].clone()  # [B, H, T, ceil(R / 8)]
+    for j in range(1, 8):
+        packed |= slots[..., j] << j
     return codes & ((1 << bits) - 1), WideBits(packed, channels.to(torch.uint8))
 
 

@@ -56,6 +56,25 @@ def test_codes_are_one_bit_wider_on_each_blocks_widest_channels(head_dim, fracti
     assert not torch.equal(dequantize(codes, scale, zero, spec), expected)
 
 
+@pytest.mark.parametrize("head_dim,fraction", [(16, 0.25), (64, 0.25)])  # 4 wide slots in one byte; 16 in two
+def test_inductor_encodes_what_eager_encodes(head_dim, fraction):
+    """A block flushed inside a compiled step stores the eager bytes: inductor's CPU code for the high bits' packing
+    once added 24 to every byte (a uint8 sum over 8 lanes, torch 2.13 on an AVX2 CPU), so a compiled cache read other
+    codes than an eager one (tests/core/test_static_compile.py saw it as other tokens, 11 steps in)."""
+    spec = QuantSpec("int4", "channel", None, False, torch.bfloat16, block_size=8, wide_fraction=fraction)
+
+    def encode(x):
+        codes, scale, zero, wide = encode_blocks(x, spec)
+        return codes.data, scale, zero, wide.bits, wide.channels
+
+    x = _keys(head_dim, tokens=16)
+    eager = encode(x)
+    compiled = torch.compile(encode, fullgraph=True, dynamic=False)(x)
+    assert eager[3].max() > 0  # some high bits are set: the packing is exercised
+    for name, want, got in zip(("codes", "scales", "zeros", "high bits", "channels"), eager, compiled):
+        assert torch.equal(want, got), name
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_equal_scales_choose_the_lower_channels(head_dim):
     """Ties (frequent among bfloat16 scales) are broken by channel, not by topk's implementation, so that the Triton
