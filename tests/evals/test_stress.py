@@ -144,7 +144,11 @@ def test_stress_outliers_label_every_output(folder, tmp_path, capsys):
     meta = json.loads((out / "attention.json").read_text())["meta"]
     assert meta["stress_outliers"]["spec"] == "0:150,*:10" and meta["stress_outliers"]["ratios"] == {"0": 150.0,
                                                                                                       "*": 10.0}
-    assert {(a["layer"], a["ratio_after"]) for a in meta["stress_outliers"]["applied"]} == {(0, 150.0), (1, 10.0)}
+    # each applied pair's ratio is measured again after the scaling: the target up to float rounding (9.999999999999998
+    # on one CPU), as test_outliers_keep_the_outputs_and_are_in_the_keys compares it
+    applied = meta["stress_outliers"]["applied"]
+    assert {a["layer"] for a in applied} == {0, 1}
+    assert all(a["ratio_after"] == pytest.approx({0: 150.0, 1: 10.0}[a["layer"]]) for a in applied)
     md = (out / "attention.md").read_text().splitlines()
     assert md[0].startswith("Command: `hf-asymkv eval attention") and md[2].startswith("**STRESS CASE: ")
 
