@@ -15,7 +15,8 @@ tokens, that byte (a byte shared by ``8 / W`` tokens is loaded that many times: 
 load instruction moves 16 bytes) and masks the field where it lies, so the operand holds ``1024 + f * 2**shift``;
 the factor ``2**-shift`` is one number per token, folded into the scores (keys) or the weights (values). Codes of
 two plane sets (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits) take one product per plane set. 8-bit codes are their own
-field (int8 codes flipped to offset binary by ``^ 0x80``).
+field (int8 codes flipped to offset binary by ``^ 0x80``), except int8 keys with fp16 operands: they go to the
+tensor cores as loaded, in int8 products against the query written as two int8 digits (:func:`_int8_key_scores`).
 
 **One tile per key block.** A tile holds the tokens of one key scale group (or a power-of-two part of it): the
 per-channel scale is folded into the query once per tile, ``(q * s) . c``, and the wide channels of compact keys
@@ -149,15 +150,41 @@ def mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, head, qpos, col, valid, q_len
 
 
 @triton.jit
+def _int8_key_scores(qs, codes, LEFT: tl.constexpr):
+    """``qs @ codes^T`` ``[R, T]`` (float32) for int8 key codes ``[T, C]`` (signed, as stored) by int8 products: the
+    codes reach the tensor cores as loaded, with no conversion. Each query row becomes two int8 digits of a
+    fixed-point number, ``qs ~ step * (hi + lo / 254)`` with ``step = max|qs| / 127`` (rounding error at most
+    ``step / 508``, about 2**-15 of the row's largest element; fp16 operands round each element to 2**-11 of
+    itself), and the scores are ``step * (hi . c + (lo . c) / 254)``, exact in int32."""
+    q32 = qs.to(tl.float32)
+    amax = tl.max(tl.abs(q32), 1)
+    used = amax > 0
+    step = tl.where(used, amax * (1.0 / 127.0), 1.0)
+    inv = tl.where(used, tl.fdiv(tl.full(amax.shape, 127.0, tl.float32), amax, ieee_rounding=False), 1.0)
+    u = q32 * inv[:, None]  # within [-127, 127] up to the approximate reciprocal's rounding
+    hi = tl.floor(u + 0.5)
+    lo = tl.floor((u - hi) * 254.0 + 0.5)  # |u - hi| <= 0.5 (a hair more): |lo| <= 127
+    if LEFT:
+        s_hi = tl.trans(tl.dot(codes, tl.trans(hi.to(tl.int8))))
+        s_lo = tl.trans(tl.dot(codes, tl.trans(lo.to(tl.int8))))
+    else:
+        s_hi = tl.dot(hi.to(tl.int8), tl.trans(codes))
+        s_lo = tl.dot(lo.to(tl.int8), tl.trans(codes))
+    return (s_hi.to(tl.float32) + s_lo.to(tl.float32) * (1.0 / 254.0)) * step[:, None]
+
+
+@triton.jit
 def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
                 W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
                 LEFT: tl.constexpr):
     """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes:
     plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums of ``qs`` as rounded for
     the product."""
-    if not PACKED:  # 8-bit codes: exact operands (the flipped code's offset taken off in fp16), no row sum needed
+    if not PACKED and (QDOT == tl.float32 or FLIP == 0):  # float32 operands or uint8 codes: exact fp operands
         x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
         return _scores(qs, x, QDOT, LEFT)
+    if not PACKED:  # signed int8 codes (stored as int8: FLIP 0x80) into int8 products
+        return _int8_key_scores(qs, tl.load(kc_base + tb[:, None] * s_t + ch[None, :]), LEFT)
     x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
     raw = _scores(qs, x, QDOT, LEFT)
     scores = (raw - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
