@@ -149,6 +149,8 @@ def _spill_free(partial: KernelLaunch) -> KernelLaunch:
         return partial
     key = tuple(partial.options.items())
     index = _SPILL_FREE.get(key)
+    if index == 0:  # the planned settings do not spill (the usual case): nothing to build per step
+        return partial
     candidates = spill_alternatives(partial)
     if index is None:
         def launched_spills(candidate: KernelLaunch) -> int:
