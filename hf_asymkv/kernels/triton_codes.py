@@ -180,11 +180,9 @@ def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.conste
     """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes:
     plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums of ``qs`` as rounded for
     the product."""
-    if not PACKED and (QDOT == tl.float32 or FLIP == 0):  # float32 operands or uint8 codes: exact fp operands
+    if not PACKED:  # float32 operands or uint8 codes (signed int8 codes: _int8_key_scores): exact fp operands
         x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
         return _scores(qs, x, QDOT, LEFT)
-    if not PACKED:  # signed int8 codes (stored as int8: FLIP 0x80) into int8 products
-        return _int8_key_scores(qs, tl.load(kc_base + tb[:, None] * s_t + ch[None, :]), LEFT)
     x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
     raw = _scores(qs, x, QDOT, LEFT)
     scores = (raw - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
@@ -301,6 +299,11 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
     z_hi = tl.zeros([R_PAD], tl.float32)  # the second group's (unused for one group)
     acc_hi = tl.zeros([R_PAD, V_CG], tl.float32)
     q_dot = q.to(QDOT)  # the scale multiplies in the operand dtype (fp16 pairs on a GPU): one rounding less to pay
+    # signed int8 keys (stored as int8: FLIP 0x80) with half-precision operands go to int8 products as loaded; their
+    # addresses are made once and advanced a tile per step: computed per tile from the base, they cost the loop about
+    # 80 integer instructions per warp (sign extensions and 64-bit adds the compiler did not hoist; kernel_report.md)
+    INT8_KEYS: tl.constexpr = (not K_PACKED) and QDOT != tl.float32 and K_FLIP != 0
+    k_ptrs = kc_base + (t_start + tok)[:, None] * skc_t + ch[None, :]
     for t0 in range(t_start, t_stop, TILE):
         meta = (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d
         qs = q_dot * tl.load(ks_base + meta).to(QDOT)[None, :]
@@ -315,6 +318,9 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         if K_PACKED:
             scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
                                  HEAD_DIM, K_W0, K_W1, K_PB, 0, True, K_LEFT)
+        elif INT8_KEYS:
+            scores = _int8_key_scores(qs, tl.load(k_ptrs), K_LEFT)
+            k_ptrs += TILE * skc_t
         else:
             scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
                                  False, K_LEFT)
