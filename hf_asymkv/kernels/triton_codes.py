@@ -224,8 +224,8 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
                LEFT: tl.constexpr):
     """``(acc + w . X, the rounded weights' magic share)`` for the tile's value codes: ``w = p * scale * 2**-shift``
     per plane set (rounded to ``QDOT``), ``X`` the plane set's ``1024 + field * 2**shift``. Returns the new
-    accumulator and ``-1024 * w`` ``[R, T]`` summed over plane sets (the caller sums it over tokens with the row's other
-    per-token terms: one reduction across the tile's warps, not one per term)."""
+    accumulator and ``-1024 * w`` ``[R, T]`` summed over plane sets (the caller keeps it per token with the row's other
+    per-token terms, and sums over tokens after the loop)."""
     x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
     weights = p * vs[None, :]
     if PACKED:
@@ -244,13 +244,14 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
 
 
 @triton.jit
-def _value_group(p, alpha, acc, z_i, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, ch, ASM: tl.constexpr,
+def _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, ch, ASM: tl.constexpr,
                  QDOT: tl.constexpr, HEAD_DIM: tl.constexpr, PACKED: tl.constexpr, FLIP: tl.constexpr,
                  W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                  LEFT: tl.constexpr):
-    """One value group's step: ``(acc * alpha + w . X, z * alpha + the tile's share)`` for weights ``p`` ``[R, T]``,
-    the group's channels ``ch`` ``[C]`` (its accumulator ``[R, C]``, its per-row constant ``z_i`` ``[R]``), its
-    scales and zeros at ``vs_base``/``vz_base`` (one per token)."""
+    """One value group's step: ``(acc * alpha + w . X, z_t * alpha + the tile's share)`` for weights ``p`` ``[R, T]``,
+    the group's channels ``ch`` ``[C]`` (its accumulator ``[R, C]``; its per-row constant kept per token column,
+    ``z_t`` ``[R, T]``, summed over the tile by the caller once the loop is done), its scales and zeros at
+    ``vs_base``/``vz_base`` (one per token)."""
     vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
     if PACKED:
         acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % PB) * svc_t, t0 % PB + tok, ch,
@@ -261,7 +262,7 @@ def _value_group(p, alpha, acc, z_i, vc_base, svc_t, vs_base, vz_base, svs_t, t0
     zero = -OFFSET * vs
     if ZERO:
         zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
-    return acc, z_i * alpha + tl.sum(magic + p * zero[None, :], 1)
+    return acc, z_t * alpha[:, None] + (magic + p * zero[None, :])
 
 
 @triton.jit
@@ -293,10 +294,13 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
     vch = tl.arange(0, V_CG)  # the first value group's channels
     tok = tl.arange(0, TILE)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([R_PAD], tl.float32)
-    z_i = tl.zeros([R_PAD], tl.float32)  # the values' per-row constant, beside acc (the first group's)
+    # the softmax sum and the values' per-row constant are kept per token column, [R, TILE], and summed over the
+    # tile once, after the loop: a sum over tokens each step crosses the tile's warps (shuffles, shared memory, a
+    # barrier), two of them 50-80 instructions per warp and tile; the running max still crosses them every step
+    l_t = tl.zeros([R_PAD, TILE], tl.float32)
+    z_t = tl.zeros([R_PAD, TILE], tl.float32)  # the values' per-row constant, beside acc (the first group's)
     acc = tl.zeros([R_PAD, V_CG], tl.float32)  # the first value group's channels (all of them for one group)
-    z_hi = tl.zeros([R_PAD], tl.float32)  # the second group's (unused for one group)
+    z_hi = tl.zeros([R_PAD, TILE], tl.float32)  # the second group's (unused for one group)
     acc_hi = tl.zeros([R_PAD, V_CG], tl.float32)
     q_dot = q.to(QDOT)  # the scale multiplies in the operand dtype (fp16 pairs on a GPU): one rounding less to pay
     # signed int8 keys (stored as int8: FLIP 0x80) with half-precision operands go to int8 products as loaded; their
@@ -338,15 +342,15 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - (m_safe - const)[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_t = l_t * alpha[:, None] + p
         m_i = m_new
-        acc, z_i = _value_group(p, alpha, acc, z_i, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, vch, ASM, QDOT,
+        acc, z_t = _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, vch, ASM, QDOT,
                                 HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, V_LEFT)
         if GROUPS == 2:
             acc_hi, z_hi = _value_group(p, alpha, acc_hi, z_hi, vc_base, svc_t, vs_base + svs_d, vz_base + svs_d,
                                         svs_t, t0, tok, vch + V_CG, ASM, QDOT, HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1,
                                         V_PB, V_ZERO, V_OFFSET, V_LEFT)
-    acc += z_i[:, None]
+    acc += tl.sum(z_t, 1)[:, None]
     if GROUPS == 2:  # [R, 2, D / 2] -> [R, D]: the halves side by side
-        acc = tl.reshape(tl.permute(tl.join(acc, acc_hi + z_hi[:, None]), [0, 2, 1]), [R_PAD, HEAD_DIM])
-    return acc, m_i, l_i
+        acc = tl.reshape(tl.permute(tl.join(acc, acc_hi + tl.sum(z_hi, 1)[:, None]), [0, 2, 1]), [R_PAD, HEAD_DIM])
+    return acc, m_i, tl.sum(l_t, 1)
