@@ -45,6 +45,10 @@ MAGIC_SUB_ASM = tl.constexpr(
     "prmt.b32 $1, t, 0x64646464, 0x7362; sub.f16x2 $0, $0, $5; sub.f16x2 $1, $1, $6; }")
 """:data:`MAGIC_ASM`, then the magic constant (or more) taken off in fp16 pairs: exact small integers."""
 MAGIC = tl.constexpr(1024.0)  # the fp16 constant 0x6400
+COLUMN_SUM_ELEMENTS = tl.constexpr(1024)
+"""Rows x tokens up to which a tile's row sums are kept per token column (:func:`_row_sum_step`): 4 query rows (GQA 4,
+one token) of a 128-token tile, 8 per thread at 4 warps for the sums together; more rows take registers, not
+instructions."""
 
 
 @triton.jit
@@ -244,13 +248,35 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
 
 
 @triton.jit
+def _row_sum_step(total, alpha, terms):
+    """A running per-row sum over tokens, rescaled by the online softmax's ``alpha`` ``[R]``, plus the tile's ``terms``
+    ``[R, T]``. ``total`` ``[R, T]``: kept per token column and summed over the tile once, after the loop
+    (:func:`_row_total`); a sum over tokens each step crosses the tile's warps (shuffles, shared memory, a barrier),
+    50-80 instructions per warp and tile for the two such sums. ``total`` ``[R]`` (more than
+    :data:`COLUMN_SUM_ELEMENTS` rows x tokens, where the columns would cost registers): summed every step."""
+    if len(total.shape) == 2:
+        total = total * alpha[:, None] + terms
+    else:
+        total = total * alpha + tl.sum(terms, 1)
+    return total
+
+
+@triton.jit
+def _row_total(total):
+    """``[R]``: a :func:`_row_sum_step` total summed over its token columns (if it has them)."""
+    if len(total.shape) == 2:
+        total = tl.sum(total, 1)
+    return total
+
+
+@triton.jit
 def _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, ch, ASM: tl.constexpr,
                  QDOT: tl.constexpr, HEAD_DIM: tl.constexpr, PACKED: tl.constexpr, FLIP: tl.constexpr,
                  W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                  LEFT: tl.constexpr):
     """One value group's step: ``(acc * alpha + w . X, z_t * alpha + the tile's share)`` for weights ``p`` ``[R, T]``,
     the group's channels ``ch`` ``[C]`` (its accumulator ``[R, C]``; its per-row constant kept per token column,
-    ``z_t`` ``[R, T]``, summed over the tile by the caller once the loop is done), its scales and zeros at
+    ``z_t``, see :func:`_row_sum_step`), its scales and zeros at
     ``vs_base``/``vz_base`` (one per token)."""
     vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
     if PACKED:
@@ -262,7 +288,7 @@ def _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0
     zero = -OFFSET * vs
     if ZERO:
         zero += tl.load(vz_base + (t0 + tok) * svs_t).to(tl.float32)
-    return acc, z_t * alpha[:, None] + (magic + p * zero[None, :])
+    return acc, _row_sum_step(z_t, alpha, magic + p * zero[None, :])
 
 
 @triton.jit
@@ -294,13 +320,12 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
     vch = tl.arange(0, V_CG)  # the first value group's channels
     tok = tl.arange(0, TILE)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
-    # the softmax sum and the values' per-row constant are kept per token column, [R, TILE], and summed over the
-    # tile once, after the loop: a sum over tokens each step crosses the tile's warps (shuffles, shared memory, a
-    # barrier), two of them 50-80 instructions per warp and tile; the running max still crosses them every step
-    l_t = tl.zeros([R_PAD, TILE], tl.float32)
-    z_t = tl.zeros([R_PAD, TILE], tl.float32)  # the values' per-row constant, beside acc (the first group's)
+    # the softmax sum and the values' per-row constant: kept per token column for few rows (_row_sum_step)
+    SUM_SHAPE: tl.constexpr = [R_PAD, TILE] if R_PAD * TILE <= COLUMN_SUM_ELEMENTS else [R_PAD]
+    l_t = tl.zeros(SUM_SHAPE, tl.float32)
+    z_t = tl.zeros(SUM_SHAPE, tl.float32)  # the values' per-row constant, beside acc (the first group's)
     acc = tl.zeros([R_PAD, V_CG], tl.float32)  # the first value group's channels (all of them for one group)
-    z_hi = tl.zeros([R_PAD, TILE], tl.float32)  # the second group's (unused for one group)
+    z_hi = tl.zeros(SUM_SHAPE, tl.float32)  # the second group's (unused for one group)
     acc_hi = tl.zeros([R_PAD, V_CG], tl.float32)
     q_dot = q.to(QDOT)  # the scale multiplies in the operand dtype (fp16 pairs on a GPU): one rounding less to pay
     # signed int8 keys (stored as int8: FLIP 0x80) with half-precision operands go to int8 products as loaded; their
@@ -342,7 +367,7 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - (m_safe - const)[:, None])
-        l_t = l_t * alpha[:, None] + p
+        l_t = _row_sum_step(l_t, alpha, p)
         m_i = m_new
         acc, z_t = _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, vch, ASM, QDOT,
                                 HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, V_LEFT)
@@ -350,7 +375,7 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
             acc_hi, z_hi = _value_group(p, alpha, acc_hi, z_hi, vc_base, svc_t, vs_base + svs_d, vz_base + svs_d,
                                         svs_t, t0, tok, vch + V_CG, ASM, QDOT, HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1,
                                         V_PB, V_ZERO, V_OFFSET, V_LEFT)
-    acc += tl.sum(z_t, 1)[:, None]
+    acc += _row_total(z_t)[:, None]
     if GROUPS == 2:  # [R, 2, D / 2] -> [R, D]: the halves side by side
-        acc = tl.reshape(tl.permute(tl.join(acc, acc_hi + tl.sum(z_hi, 1)[:, None]), [0, 2, 1]), [R_PAD, HEAD_DIM])
-    return acc, m_i, tl.sum(l_t, 1)
+        acc = tl.reshape(tl.permute(tl.join(acc, acc_hi + _row_total(z_hi)[:, None]), [0, 2, 1]), [R_PAD, HEAD_DIM])
+    return acc, m_i, _row_total(l_t)
