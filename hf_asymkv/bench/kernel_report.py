@@ -198,7 +198,10 @@ def measure(configs: list[Config], context: int = CONTEXT, progress=None, lines:
                          "spill_instructions": merge.spill_instructions, "shared_bytes": merge.shared_bytes},
                "shared_limit": sass.SHARED_LIMIT_BYTES[sass.ARCHES[config.arch]],
                # the launches tried (planned first, then the launcher's fallbacks): local bytes of each, the one kept
-               "spill_tries": tried, "fallback": chosen}
+               "spill_tries": tried, "fallback": chosen,
+               # two plane sets joined by PTX that needs each thread's bytes in groups of four channels of one token
+               "joined_ops": sass.joined_ops(compiled[0].asm["ttgir"]),
+               "join_problems": sass.joined_groups_by_token(compiled[0].asm["ttgir"])}
         if lines:
             found = sass.code_loop_lines(compiled[0].asm["cubin"])
             row["lines"] = [{"file": file, "line": line, "instructions": sum(ops.values()), "opcodes": dict(ops)}
@@ -224,6 +227,7 @@ def _flags(row: dict) -> str:
         problems.append(f"spills ({row['local_bytes']} B local, {row['spill_instructions']} LDL/STL)")
     if row["registers"] >= REGISTER_CAP:
         problems.append("at the register cap")
+    problems.extend(row.get("join_problems", ()))
     for kernel, item in (("partial", row), ("merge", row["merge"])):
         if item["shared_bytes"] > row["shared_limit"]:
             problems.append(f"{kernel} shared {_kib(item['shared_bytes'])} KiB > {_kib(row['shared_limit'])}")

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ARCHES", "CLASSES", "SHARED_LIMIT_BYTES", "CompiledStats", "classify", "compile_launch", "cuda_target",
-           "code_loop", "code_loop_lines", "disassemble", "instructions", "line_table", "loops", "main_loop",
-           "REGISTER_CAP", "resource", "stats"]
+           "code_loop", "code_loop_lines", "disassemble", "instructions", "joined_groups_by_token", "joined_ops",
+           "line_table", "loops",
+           "main_loop", "REGISTER_CAP", "resource", "stats"]
 
 ARCHES = {"sm_90a": 90, "sm_89": 89, "sm_80": 80}
 """Targets of the report: H100/H200, RTX 4090/L40, A100."""
@@ -232,6 +233,38 @@ def resource(usage: str, name: str) -> int:
     """The value of ``NAME:value`` in ``cuobjdump --dump-resource-usage`` output (0 when absent)."""
     match = re.search(rf"\b{name}:(\d+)", usage)
     return int(match.group(1)) if match else 0
+
+
+_BLOCKED = re.compile(r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", re.M)
+
+
+JOIN_MARKER = "shf.r.wrap"
+"""What tells :data:`~hf_asymkv.kernels.triton_codes.JOIN_ASM` apart from the other inline PTX in a kernel's TTGIR."""
+
+
+def joined_ops(ttgir: str, marker: str = JOIN_MARKER) -> int:
+    """How many joins of two plane sets (inline PTX with ``marker``) a compiled kernel's TTGIR holds."""
+    return sum(1 for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line and marker in line)
+
+
+def joined_groups_by_token(ttgir: str, marker: str = JOIN_MARKER) -> list[str]:
+    """Problems (empty: none) with the layouts of the inline PTX that joins two plane sets
+    (:data:`~hf_asymkv.kernels.triton_codes.JOIN_ASM`, found by ``marker``) in a compiled kernel's TTGIR
+    (``compiled.asm["ttgir"]``): the PTX rotates four packed bytes by the first one's amount, so each thread's
+    elements must run along the channels (the last axis) in groups of four: a blocked layout, last axis fastest, a
+    multiple of 4 elements per thread along it. Anything else (another layout kind, another order) is named."""
+    layouts = {name: ([int(v) for v in size.split(",")], [int(v) for v in order.split(",")])
+               for name, size, order in _BLOCKED.findall(ttgir)}
+    problems = []
+    for line in ttgir.splitlines():
+        if "tt.elementwise_inline_asm" not in line or marker not in line:
+            continue
+        for tensor, layout in set(re.findall(r"tensor<([\dx]+)x\w+, (#\w+)>", line)):
+            size, order = layouts.get(layout, (None, None))
+            rank = tensor.count("x") + 1
+            if size is None or order[0] != rank - 1 or size[-1] % 4:
+                problems.append(f"joined codes in layout {layout} (sizePerThread {size}, order {order})")
+    return sorted(set(problems))
 
 
 def stats(compiled) -> CompiledStats:

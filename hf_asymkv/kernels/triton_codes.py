@@ -14,7 +14,8 @@ rows; token ``t`` of the block sits in row ``t % rows`` at bit ``W * (t // rows)
 tokens, that byte (a byte shared by ``8 / W`` tokens is loaded that many times: the loads hit the cache, and each
 load instruction moves 16 bytes) and masks the field where it lies, so the operand holds ``1024 + f * 2**shift``;
 the factor ``2**-shift`` is one number per token, folded into the scores (keys) or the weights (values). Codes of
-two plane sets (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits) take one product per plane set. 8-bit codes are their own
+two plane sets (3 = 2 + 1, 5 = 4 + 1, 6 = 4 + 2 bits) are joined into one operand, ``1024 + code``, by shifts and
+masks per token (:func:`_joined_operand`): one product, not one per plane set. 8-bit codes are their own
 field (int8 codes flipped to offset binary by ``^ 0x80``), except int8 keys with fp16 operands: they go to the
 tensor cores as loaded, in int8 products against the query written as two int8 digits (:func:`_int8_key_scores`).
 
@@ -45,6 +46,15 @@ MAGIC_SUB_ASM = tl.constexpr(
     "prmt.b32 $1, t, 0x64646464, 0x7362; sub.f16x2 $0, $0, $5; sub.f16x2 $1, $1, $6; }")
 """:data:`MAGIC_ASM`, then the magic constant (or more) taken off in fp16 pairs: exact small integers."""
 MAGIC = tl.constexpr(1024.0)  # the fp16 constant 0x6400
+JOIN_ASM = tl.constexpr(
+    "{ .reg .b32 a, t; shf.r.wrap.b32 a, $2, $2, $4; shf.r.wrap.b32 t, $3, $3, $5; lop3.b32 a, a, t, $6, 0xe4; "
+    "and.b32 a, a, $7; prmt.b32 $0, a, 0x64646464, 0x5140; prmt.b32 $1, a, 0x64646464, 0x7362; }")
+"""Four bytes of two plane sets at a time (``$2``: the low set's bytes, ``$3``: the high set's, ``$4``/``$5``: the
+rotations, ``$6``: the low set's field mask, ``$7``: the code's mask): rotate the low set's bytes right by its field's
+bit position and the high set's so that its field lands just above (``shf.r.wrap``: the amount is taken mod 32, so the
+first byte's rotation serves all four: the four bytes must be one token's, see :func:`_joined_operand`), take the low
+field's bits from the first and the rest from the second (lop3 LUT 0xe4: ``c ? a : b``), clear the bits above the
+code, and place each byte under a 0x64 high byte (prmt): two registers of two fp16 ``1024 + code``."""
 COLUMN_SUM_ELEMENTS = tl.constexpr(1024)
 """Rows x tokens up to which a tile's row sums are kept per token column (:func:`_row_sum_step`): 4 query rows (GQA 4,
 one token) of a 128-token tile, 8 per thread at 4 warps for the sums together; more rows take registers, not
@@ -77,6 +87,41 @@ def exact_fp16(codes, mask, flip, offset, ASM: tl.constexpr):
 def _pow2(exponent):
     """``2.0 ** exponent`` (float32) of an integer tensor in [-126, 127], by placing it in the exponent field."""
     return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _joined_operand(base, tb, cols, ASM: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    """``1024 + code`` ``[T, C]`` (fp16) of codes stored as two plane sets of widths ``W0`` (low bits) and ``W1``,
+    token-packed in blocks of ``PB`` tokens (``base``: the block's first byte; ``tb``: the tile's tokens in the block;
+    ``cols``: the channels): for each token, its byte of each set (``rows = PB * W / 8`` rows per set, token ``t`` in
+    row ``t % rows`` at bit ``W * (t // rows)``), each field shifted down to its place in the code and the two joined.
+    One operand and one product where a product per plane set cost a second conversion of the same count, a second
+    pass through shared memory and a rescaling per token (``quality``'s values: 164 fewer instructions per warp and
+    tile, kernel_report.md).
+
+    With ``ASM`` each group of four bytes is rotated by one amount (:data:`JOIN_ASM`), which is right when the four
+    are one token's channels: Triton packs four consecutive elements of a thread, and the loads here give each thread
+    16 consecutive channels of a token (``sass.joined_groups_by_token`` checks the compiled layout, the kernel report
+    flags any other)."""
+    rows0: tl.constexpr = PB * W0 // 8
+    rows1: tl.constexpr = PB * W1 // 8
+    s0 = (tb // rows0) * W0  # [T]: each token's bit position in its byte of the low set
+    s1 = (tb // rows1) * W1
+    low = tl.load(base + (tb % rows0)[:, None] * HEAD_DIM + cols[None, :])
+    high = tl.load(base + (rows0 + tb % rows1)[:, None] * HEAD_DIM + cols[None, :])
+    if ASM:
+        # impure, as magic_fp16's: the fp16 it returns is what the products' fragments are sized for
+        shape: tl.constexpr = low.shape
+        return tl.inline_asm_elementwise(
+            JOIN_ASM, "=r,=r,r,r,r,r,r,r",
+            [low, high, tl.broadcast_to(s0.to(tl.uint8)[:, None], shape),
+             tl.broadcast_to(((s1 - W0) & 31).to(tl.uint8)[:, None], shape),
+             tl.full(shape, (1 << W0) - 1, tl.uint8), tl.full(shape, (1 << (W0 + W1)) - 1, tl.uint8)],
+            dtype=tl.float16, is_pure=False, pack=4)
+    code = ((low.to(tl.int32) >> s0[:, None]) & ((1 << W0) - 1)) | (
+        ((high.to(tl.int32) >> s1[:, None]) & ((1 << W1) - 1)) << W0)
+    return (code | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -187,14 +232,10 @@ def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.conste
     if not PACKED:  # float32 operands or uint8 codes (signed int8 codes: _int8_key_scores): exact fp operands
         x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
         return _scores(qs, x, QDOT, LEFT)
+    if W1 > 0:  # two plane sets: joined into one operand, fields in place (no shift to undo)
+        return _scores(qs, _joined_operand(kc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM), QDOT, LEFT) - MAGIC * sq[:, None]
     x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
-    raw = _scores(qs, x, QDOT, LEFT)
-    scores = (raw - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
-    if W1 > 0:
-        start: tl.constexpr = PB * W0 // 8
-        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
-        scores += (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(W0 - shift)[None, :]
-    return scores
+    return (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
 
 
 @triton.jit
@@ -227,24 +268,21 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
                W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
                LEFT: tl.constexpr):
     """``(acc + w . X, the rounded weights' magic share)`` for the tile's value codes: ``w = p * scale * 2**-shift``
-    per plane set (rounded to ``QDOT``), ``X`` the plane set's ``1024 + field * 2**shift``. Returns the new
-    accumulator and ``-1024 * w`` ``[R, T]`` summed over plane sets (the caller keeps it per token with the row's other
-    per-token terms, and sums over tokens after the loop)."""
-    x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
+    (rounded to ``QDOT``), ``X`` the codes' ``1024 + field * 2**shift`` (one plane set, the field in place) or ``1024 +
+    code`` (two plane sets joined, no shift). Returns the new accumulator and ``-1024 * w`` ``[R, T]`` (the caller
+    keeps it per token with the row's other per-token terms, and sums over tokens after the loop)."""
     weights = p * vs[None, :]
-    if PACKED:
-        w = (weights * _pow2(-shift)[None, :]).to(QDOT)
-    else:
+    if PACKED and W1 > 0:  # two plane sets: joined into one operand (no shift to fold into the weights)
+        x = _joined_operand(vc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM)
         w = weights.to(QDOT)
-    acc = _mix(w, x, acc, QDOT, LEFT)
-    magic = w.to(tl.float32)
-    if W1 > 0:
-        start: tl.constexpr = PB * W0 // 8
-        x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W1, start, PB, HEAD_DIM, 0, True)
-        w = (weights * _pow2(W0 - shift)[None, :]).to(QDOT)
-        acc = _mix(w, x, acc, QDOT, LEFT)
-        magic += w.to(tl.float32)
-    return acc, magic * -MAGIC  # the tensor first: under the interpreter, constexpr * tensor stays a constexpr
+    else:
+        x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
+        if PACKED:
+            w = (weights * _pow2(-shift)[None, :]).to(QDOT)
+        else:
+            w = weights.to(QDOT)
+    # the tensor first: under the interpreter, constexpr * tensor stays a constexpr
+    return _mix(w, x, acc, QDOT, LEFT), w.to(tl.float32) * -MAGIC
 
 
 @triton.jit

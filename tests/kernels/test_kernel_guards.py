@@ -41,6 +41,7 @@ PRESETS = ("quality", "balanced", "lean", "compact", "tight", "max")
 GOALS = [f"{preset}-{GOAL_SHAPE}-sm_90a" for preset in PRESETS]
 SHARED = [f"balanced-{GOAL_SHAPE}-sm_89"]
 GEMMA = [f"{preset}-bf16-d256-gqa4-q1-sm_90a" for preset in PRESETS]
+JOINED = ("quality", "compact", "tight", "max")  # 6-bit values (4 + 2), 3-bit values, int3 keys, int3 keys (2 + 1)
 CONVERSION_GUARDED = ("balanced", "lean")  # int8 and int4 codes: issue 37 asks <= 0.01 conversions per byte
 # Both are under 0.01 since the kernel's query rows pad to 4 (kernel_report.md: balanced 0.0054 since its int8 keys'
 # products convert their int32 scores, lean 0.0042); the bound is 0.01, or a committed figure above it.
@@ -78,6 +79,8 @@ def _check_resources(row: dict, register_cap: bool = True) -> None:
         f"{name} spills: {row['local_bytes']} B, {row['spill_instructions']} LDL/STL"
     assert (row["merge"]["local_bytes"], row["merge"]["spill_instructions"]) == (0, 0), f"{name}: the merge spills"
     assert not register_cap or row["registers"] < REGISTER_CAP, f"{name}: {row['registers']} registers"
+    # JOIN_ASM rotates four packed bytes by the first one's amount: they must be one token's channels
+    assert not row["join_problems"], f"{name}: {row['join_problems']}"
     for kernel, used in (("partial", row["shared_bytes"]), ("merge", row["merge"]["shared_bytes"])):
         assert used <= row["shared_limit"], f"{name}: the {kernel} kernel asks {used} B > {row['shared_limit']} B"
 
@@ -93,6 +96,9 @@ def test_goal_shapes_within_committed_instructions(name, tmp_path):
     if row["preset"] in CONVERSION_GUARDED:
         bound = max(0.01, _committed_row(name)["per_byte_by_class"]["conversion"])
         assert row["per_byte_by_class"]["conversion"] <= bound + 1e-5, f"{name}: {row['per_byte_by_class']['conversion']:.4f}"
+    # codes of two plane sets are joined into one operand (keys of tight and max, values of quality and compact): the
+    # layout check above is not vacuous there
+    assert (row["joined_ops"] > 0) == (row["preset"] in JOINED), f"{name}: {row['joined_ops']} joins"
 
 
 @pytest.mark.parametrize("name", GEMMA, ids=PRESETS)

@@ -1,7 +1,7 @@
-"""The inline PTX of the fast path (``MAGIC_ASM``, what the kernel runs on a GPU) computes what its plain Triton twin
-computes (what the interpreter tests run): the PTX is executed here by a small emulator of the instructions it uses
-(``lop3``, ``prmt``, per the PTX ISA), on every byte value in every lane, with the masks and flips the kernel
-passes."""
+"""The inline PTX of the fast path (``MAGIC_ASM``, ``JOIN_ASM``: what the kernel runs on a GPU) computes what its
+plain Triton twin computes (what the interpreter tests run): the PTX is executed here by a small emulator of the
+instructions it uses (``lop3``, ``prmt``, ``shf``, ``and``, per the PTX ISA), on every byte value in every lane, with
+the masks, flips and rotations the kernel passes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from hf_asymkv.kernels.triton_codes import MAGIC_ASM, MAGIC_SUB_ASM
+from hf_asymkv.kernels.triton_codes import JOIN_ASM, MAGIC_ASM, MAGIC_SUB_ASM
 
 
 def _lop3(a: int, b: int, c: int, lut: int) -> int:
@@ -34,6 +34,12 @@ def _prmt(a: int, b: int, selector: int) -> int:
             byte = 0xFF if byte & 0x80 else 0
         out |= byte << (8 * i)
     return out
+
+
+def _shf_r_wrap(a: int, b: int, c: int) -> int:
+    """PTX ``shf.r.wrap.b32 d, a, b, c``: the low 32 bits of the 64-bit ``{b, a}`` (``a`` the low half) shifted right
+    by ``c & 31``."""
+    return (((b << 32) | a) >> (c & 31)) & 0xFFFFFFFF
 
 
 def _halves(word: int) -> np.ndarray:
@@ -66,6 +72,10 @@ def run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
             regs[args[0]] = _prmt(value(args[1]), value(args[2]), value(args[3]))
         elif op == "sub.f16x2":
             regs[args[0]] = _sub_f16x2(value(args[1]), value(args[2]))
+        elif op == "shf.r.wrap.b32":
+            regs[args[0]] = _shf_r_wrap(value(args[1]), value(args[2]), value(args[3]))
+        elif op == "and.b32":
+            regs[args[0]] = value(args[1]) & value(args[2])
         else:
             raise AssertionError(f"the emulator does not know {op!r}: extend it with the PTX ISA's definition")
     return regs
@@ -122,3 +132,39 @@ def test_exact_int8_asm_gives_the_signed_code():
                                              "$6": offset})
         signed = b - 256 if b >= 128 else b
         assert list(_halves(got["$0"])) + list(_halves(got["$1"])) == [signed] * 4, b
+
+
+def joined_plain(low: int, high: int, s0: int, s1: int, w0: int, w1: int) -> int:
+    """The plain twin of ``_joined_operand`` for one byte of each plane set, as fp16 bits: the low set's field at bit
+    ``s0`` below the high set's field at bit ``s1``, under 0x6400."""
+    return 0x6400 | (low >> s0 & (1 << w0) - 1) | (high >> s1 & (1 << w1) - 1) << w0
+
+
+# (W0, W1) of the codes stored as two plane sets: 3 = 2 + 1 (int3 keys, 3-bit values), 5 = 4 + 1, 6 = 4 + 2 (6-bit
+# values); every field position of each set
+JOINS = [(w0, w1, s0, s1) for w0, w1 in ((2, 1), (4, 1), (4, 2))
+         for s0 in range(0, 8, w0) for s1 in range(0, 8, w1)]
+
+
+@pytest.mark.parametrize("w0, w1, s0, s1", JOINS)
+def test_join_asm_equals_the_plain_twin(w0, w1, s0, s1):
+    """The operands as ``_joined_operand`` passes them for a group of four bytes of one token: the rotations
+    (``s0``, ``(s1 - W0) mod 32``), the low field's mask and the code's mask, each byte replicated in the four lanes."""
+    rng = np.random.default_rng(s0 * 8 + s1)
+    lows, highs = _words(rng, 60), _words(rng, 60)[::-1]
+    rotations = {"$4": s0 * 0x01010101, "$5": ((s1 - w0) & 31) * 0x01010101,
+                 "$6": ((1 << w0) - 1) * 0x01010101, "$7": ((1 << (w0 + w1)) - 1) * 0x01010101}
+    for low, high in zip(lows, highs):
+        got = run_ptx(JOIN_ASM.value, {"$2": low, "$3": high, **rotations})
+        halves = [joined_plain(low >> (8 * i) & 0xFF, high >> (8 * i) & 0xFF, s0, s1, w0, w1) for i in range(4)]
+        assert got["$0"] == halves[0] | halves[1] << 16 and got["$1"] == halves[2] | halves[3] << 16, (hex(low),
+                                                                                                      hex(high))
+
+
+def test_join_asm_rotates_by_the_first_lane():
+    """The rotation is the first byte's for all four (mod 32 drops the other lanes' bytes): four bytes of different
+    tokens, with different field positions, would be read at the first one's. ``_joined_operand`` relies on the four
+    being one token's (``sass.joined_groups_by_token``)."""
+    got = run_ptx(JOIN_ASM.value, {"$2": 0x30303003, "$3": 0, "$4": 0x04040400, "$5": 0, "$6": 0x0F0F0F0F,
+                                   "$7": 0x3F3F3F3F})
+    assert got["$0"] & 0xFF == 0x03 and got["$0"] >> 16 & 0xFF == 0x00  # byte 1 read at rotation 0, not 4
