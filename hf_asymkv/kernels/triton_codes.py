@@ -226,14 +226,14 @@ def _int8_key_scores(qs, codes, LEFT: tl.constexpr):
 def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.constexpr, HEAD_DIM: tl.constexpr,
                 W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
                 LEFT: tl.constexpr):
-    """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes:
-    plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums of ``qs`` as rounded for
-    the product."""
+    """``sum_c qs[r, c] * code[t, c]`` ``[R, T]`` for the stored (unsigned) codes of the tile's tokens (8-bit codes
+    and two joined plane sets: plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums
+    of ``qs`` as rounded for the product (used for one plane set, whose magic number's share is scaled per token)."""
     if not PACKED:  # float32 operands or uint8 codes (signed int8 codes: _int8_key_scores): exact fp operands
         x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
         return _scores(qs, x, QDOT, LEFT)
-    if W1 > 0:  # two plane sets: joined into one operand, fields in place (no shift to undo)
-        return _scores(qs, _joined_operand(kc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM), QDOT, LEFT) - MAGIC * sq[:, None]
+    if W1 > 0:  # two plane sets joined into one operand (no shift to undo): plus 1024 * sq, as 8-bit codes
+        return _scores(qs, _joined_operand(kc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM), QDOT, LEFT)
     x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
     return (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
 
@@ -374,14 +374,24 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
     for t0 in range(t_start, t_stop, TILE):
         meta = (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d
         qs = q_dot * tl.load(ks_base + meta).to(QDOT)[None, :]
-        if K_PACKED:
-            sq = tl.sum(qs.to(tl.float32), 1)
-            const = -K_OFFSET * sq  # the true scores are scores + const
+        # the true scores are scores + const, a number per row
+        if K_PACKED and K_W1 > 0:
+            # joined codes (_joined_operand) carry no shift: the magic number's share, the codes' offset and the
+            # zeros are all one number per row, taken in one sum over the channels
+            sq = tl.zeros([R_PAD], tl.float32)  # unused
+            terms = qs.to(tl.float32) * -(K_OFFSET + MAGIC)
+            if K_ZERO:
+                terms += q * tl.load(kz_base + meta).to(tl.float32)[None, :]
+            const = tl.sum(terms, 1)
         else:
-            sq = tl.zeros([R_PAD], tl.float32)  # 8-bit codes are exact operands: nothing to take off
-            const = tl.zeros([R_PAD], tl.float32)
-        if K_ZERO:
-            const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
+            if K_PACKED:
+                sq = tl.sum(qs.to(tl.float32), 1)
+                const = -K_OFFSET * sq
+            else:
+                sq = tl.zeros([R_PAD], tl.float32)  # 8-bit codes are exact operands: nothing to take off
+                const = tl.zeros([R_PAD], tl.float32)
+            if K_ZERO:
+                const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
         if K_PACKED:
             scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
                                  HEAD_DIM, K_W0, K_W1, K_PB, 0, True, K_LEFT)
