@@ -313,9 +313,8 @@ def _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0
                  W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                  LEFT: tl.constexpr):
     """One value group's step: ``(acc * alpha + w . X, z_t * alpha + the tile's share)`` for weights ``p`` ``[R, T]``,
-    the group's channels ``ch`` ``[C]`` (its accumulator ``[R, C]``; its per-row constant kept per token column,
-    ``z_t``, see :func:`_row_sum_step`), its scales and zeros at
-    ``vs_base``/``vz_base`` (one per token)."""
+    the group's channels ``ch`` ``[C]`` (its accumulator ``[R, C]``; its per-row constant ``z_t``, kept as
+    :func:`_row_sum_step` keeps it), its scales and zeros at ``vs_base``/``vz_base`` (one per token)."""
     vs = tl.load(vs_base + (t0 + tok) * svs_t).to(tl.float32)
     if PACKED:
         acc, magic = _value_products(p, acc * alpha[:, None], vc_base + (t0 - t0 % PB) * svc_t, t0 % PB + tok, ch,
