@@ -271,16 +271,13 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
     (rounded to ``QDOT``), ``X`` the codes' ``1024 + field * 2**shift`` (one plane set, the field in place) or ``1024 +
     code`` (two plane sets joined, no shift). Returns the new accumulator and ``-1024 * w`` ``[R, T]`` (the caller
     keeps it per token with the row's other per-token terms, and sums over tokens after the loop)."""
-    weights = p * vs[None, :]
     if PACKED and W1 > 0:  # two plane sets: joined into one operand (no shift to fold into the weights)
         x = _joined_operand(vc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM)
-        w = weights.to(QDOT)
     else:
         x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
-        if PACKED:
-            w = (weights * _pow2(-shift)[None, :]).to(QDOT)
-        else:
-            w = weights.to(QDOT)
+        if PACKED:  # 2**-shift into the per-token scales, [T], not into the weights, [R, T]: the same (exact) products
+            vs = vs * _pow2(-shift)
+    w = (p * vs[None, :]).to(QDOT)
     # the tensor first: under the interpreter, constexpr * tensor stays a constexpr
     return _mix(w, x, acc, QDOT, LEFT), w.to(tl.float32) * -MAGIC
 
