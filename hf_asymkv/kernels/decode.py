@@ -141,10 +141,28 @@ def settle_spills(candidates: tuple[KernelLaunch, ...], local_bytes) -> tuple[in
     return tried.index(min(tried)), tried
 
 
+def _compiled_spills(candidate: KernelLaunch) -> int:
+    """Local bytes per thread that ``candidate``'s compiled kernel spills on this device. Compiled without a launch
+    (``warmup``; the launch that follows finds it in Triton's cache) and loaded to read the count the driver reports
+    (``n_spills``, set when Triton loads a kernel; ``_init_handles`` is how it loads one before a launch). A Triton
+    without either launches the candidate instead: the partial kernel writes all its outputs, so the launch that
+    follows with the kept settings leaves the same result."""
+    compiled = None
+    if hasattr(candidate.kernel, "warmup"):
+        compiled = candidate.kernel.warmup(*candidate.args, grid=candidate.grid, **candidate.options)
+        if hasattr(compiled, "_init_handles"):
+            compiled._init_handles()
+        else:
+            compiled = None
+    if compiled is None:
+        compiled = candidate.kernel[candidate.grid](*candidate.args, **candidate.options)
+    return int(getattr(compiled, "n_spills", 0) or 0)
+
+
 def _spill_free(partial: KernelLaunch) -> KernelLaunch:
-    """``partial`` with the settings :data:`_SPILL_FREE` holds for it; the first launch of new options launches the
-    candidates of :func:`spill_alternatives` until one compiles without spilling (the partial kernel writes all its
-    outputs, so a launch repeated with other warps leaves the same result). Under the interpreter nothing compiles."""
+    """``partial`` with the settings :data:`_SPILL_FREE` holds for it; for new options, the candidates of
+    :func:`spill_alternatives` are compiled in turn until one does not spill (:func:`_compiled_spills`). Under the
+    interpreter nothing compiles."""
     if INTERPRETED:
         return partial
     key = tuple(partial.options.items())
@@ -153,11 +171,7 @@ def _spill_free(partial: KernelLaunch) -> KernelLaunch:
         return partial
     candidates = spill_alternatives(partial)
     if index is None:
-        def launched_spills(candidate: KernelLaunch) -> int:
-            compiled = candidate.kernel[candidate.grid](*candidate.args, **candidate.options)
-            return int(getattr(compiled, "n_spills", 0) or 0)
-
-        index, _ = settle_spills(candidates, launched_spills)
+        index, _ = settle_spills(candidates, _compiled_spills)
         _SPILL_FREE[key] = index
     return candidates[index]
 

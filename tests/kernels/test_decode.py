@@ -166,11 +166,11 @@ def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
 
 
 class _SpillingKernel:
-    """A stand-in for a compiled Triton kernel: each launch records its warps and reports the local bytes the
-    compiled kernel spilled (``n_spills``, what Triton's CompiledKernel holds after a launch)."""
+    """A stand-in for a Triton kernel whose launches record their warps and report the local bytes the compiled
+    kernel spilled (``n_spills``, as Triton's CompiledKernel holds after a launch)."""
 
     def __init__(self, spills: dict[int, int]):
-        self.spills, self.launched = spills, []
+        self.spills, self.compiled, self.launched = spills, [], []
 
     def __getitem__(self, grid):
         def run(*args, num_warps, **options):
@@ -179,16 +179,35 @@ class _SpillingKernel:
         return run
 
 
+class _CompilingKernel(_SpillingKernel):
+    """:class:`_SpillingKernel` with Triton's ``warmup``: compiles without a launch (recording its warps) and returns a
+    compiled kernel that knows its spills once loaded (``_init_handles`` sets ``n_spills``)."""
+
+    def warmup(self, *args, grid, num_warps, **options):
+        self.compiled.append(num_warps)
+        compiled = types.SimpleNamespace()
+        compiled._init_handles = lambda: setattr(compiled, "n_spills", self.spills[num_warps])
+        return compiled
+
+
 def test_a_launch_that_spills_falls_back_to_more_warps_once(monkeypatch):
     monkeypatch.setattr(decode, "INTERPRETED", False)  # the fallback reads what a GPU compile spilled
     monkeypatch.setattr(decode, "_SPILL_FREE", {})
-    kernel = _SpillingKernel({2: 96, 4: 8, 8: 0})
+    kernel = _CompilingKernel({2: 96, 4: 8, 8: 0})
     planned = KernelLaunch(kernel, (1, 1), (), {"TILE": 64, "num_warps": 2})
     assert decode._spill_free(planned).options == {"TILE": 64, "num_warps": 8}
-    assert kernel.launched == [2, 4, 8]
-    assert decode._spill_free(planned).options["num_warps"] == 8 and kernel.launched == [2, 4, 8]  # remembered
-    kept = KernelLaunch(_SpillingKernel({4: 0, 8: 0}), (1, 1), (), {"TILE": 128, "num_warps": 4})
-    assert decode._spill_free(kept) is kept and kept.kernel.launched == [4]
+    assert kernel.compiled == [2, 4, 8] and kernel.launched == []  # compiled and loaded, not launched
+    assert decode._spill_free(planned).options["num_warps"] == 8 and kernel.compiled == [2, 4, 8]  # remembered
+    kept = KernelLaunch(_CompilingKernel({4: 0, 8: 0}), (1, 1), (), {"TILE": 128, "num_warps": 4})
+    assert decode._spill_free(kept) is kept and kept.kernel.compiled == [4]
+
+
+def test_spill_probe_launches_where_triton_cannot_compile_apart(monkeypatch):
+    monkeypatch.setattr(decode, "INTERPRETED", False)
+    monkeypatch.setattr(decode, "_SPILL_FREE", {})
+    kernel = _SpillingKernel({2: 96, 4: 0})  # no warmup
+    planned = KernelLaunch(kernel, (1, 1), (), {"TILE": 64, "num_warps": 2})
+    assert decode._spill_free(planned).options["num_warps"] == 4 and kernel.launched == [2, 4]
 
 
 def test_spill_fallbacks_and_the_choice_among_them():
