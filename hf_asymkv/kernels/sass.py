@@ -25,8 +25,7 @@ from pathlib import Path
 
 __all__ = ["ARCHES", "CLASSES", "SHARED_LIMIT_BYTES", "CompiledStats", "classify", "compile_launch", "cuda_target",
            "code_loop", "code_loop_lines", "disassemble", "instructions", "joined_groups_by_token", "joined_ops",
-           "line_table", "loops",
-           "main_loop", "REGISTER_CAP", "resource", "stats"]
+           "line_table", "loops", "main_loop", "REGISTER_CAP", "resource", "stats"]
 
 ARCHES = {"sm_90a": 90, "sm_89": 89, "sm_80": 80}
 """Targets of the report: H100/H200, RTX 4090/L40, A100."""

@@ -111,3 +111,28 @@ def test_line_table_follows_the_notes():
     assert sass.line_table(NVDISASM) == {0x10: ("triton_codes.py", 56), 0x20: ("triton_codes.py", 56),
                                          0x30: ("triton_codes.py", 118), 0x40: ("standard.py", 263)}
     assert sass.instructions(NVDISASM)[-1] == (0x40, "@!P0 BRA `(.L_x_1)")  # the listing's own lines parse alike
+
+
+def _ttgir(layout: str, operand_layout: str = "#blocked1") -> str:
+    """A TTGIR excerpt: one layout definition and one join of two plane sets (the PTX shortened) over it."""
+    return (f"{layout}\n"
+            f'    %x = tt.elementwise_inline_asm "{{ shf.r.wrap.b32 a, $2, $2, $4; prmt.b32 $0, a, 0, 0; }}" '
+            f"%a, %b : tensor<128x128xi8, {operand_layout}>, tensor<128x128xi8, {operand_layout}> "
+            f"-> tensor<128x128xf16, {operand_layout}> loc(#loc1)\n"
+            f'    %y = tt.elementwise_inline_asm "{{ lop3.b32 t, $2, $3, $4, 0x6a; }}" %c : '
+            f"tensor<64x128xi8, #blocked9> -> tensor<64x128xf16, #blocked9>\n")
+
+
+def test_joined_codes_must_be_grouped_by_token():
+    # the layout the compiler gives the joins (16 channels of one token per thread): fine; the magic conversion on
+    # another line is not a join and its undefined layout is not looked at
+    good = "#blocked1 = #ttg.blocked<{sizePerThread = [1, 16], threadsPerWarp = [4, 8], warpsPerCTA = [4, 1], order = [1, 0]}>"
+    assert sass.joined_ops(_ttgir(good)) == 1 and sass.joined_groups_by_token(_ttgir(good)) == []
+    narrow = good.replace("[1, 16]", "[1, 2]")  # two channels per thread: a group of four spans two tokens' rows
+    tokens = good.replace("[1, 16]", "[16, 1]").replace("order = [1, 0]", "order = [0, 1]")  # tokens run fastest
+    for bad in (narrow, tokens):
+        assert sass.joined_groups_by_token(_ttgir(bad)) == [
+            f"joined codes in layout #blocked1 (sizePerThread {'[1, 2]' if bad is narrow else '[16, 1]'}, order "
+            f"{'[1, 0]' if bad is narrow else '[0, 1]'})"]
+    assert sass.joined_groups_by_token(_ttgir(good, "#mma")) == ["joined codes in layout #mma (sizePerThread None, "
+                                                                  "order None)"]
