@@ -279,7 +279,9 @@ def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int
     minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80. Fewer warps hold more of
     a tile each, and the per-tile steps shared by all warps (row max and sums across warps, barriers) are paid fewer
     times: on sm_90a ``tight`` issues 0.31 warp instructions per byte with 2 warps, 0.39 with 4 (kernel_report.md).
-    One warp would issue less still (``lean`` 0.17) but takes 255 registers. More than 8 padded query ``rows`` (GQA 4
+    One warp would issue less still (``lean`` 0.148 at 255 registers; 0.141 and 248 with one pipeline stage) but leaves
+    half the warps resident and none prefetching: not taken before a GPU times it (``gpu_tune.GRID`` sweeps 1, 2 and 4
+    warps). More than 8 padded query ``rows`` (GQA 4
     with 5 query tokens pads 20 to 32) take 4 warps for 64-token tiles: ``tight`` spilled 320 B so with 2."""
     wide = region is not None and region.keys.wide_bits is not None
     four = tile >= 128 or (tile == 64 and (wide or rows > 8 or (capability is not None and capability < 89)))
