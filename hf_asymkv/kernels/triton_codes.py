@@ -90,12 +90,22 @@ def _pow2(exponent):
 
 
 @triton.jit
+def _plane_bytes(base, tb, cols, WIDTH: tl.constexpr, START: tl.constexpr, PB: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``(bytes [T, C], bit position [T])``: for each of the tile's tokens ``tb`` (in the block), the byte of the
+    ``WIDTH``-bit plane set starting at row ``START`` of a token-packed block (``base``: its first byte) that holds the
+    token's field, and where the field lies in it (``rows = PB * WIDTH / 8`` rows per set, token ``t`` in row
+    ``t % rows`` at bit ``WIDTH * (t // rows)``)."""
+    rows: tl.constexpr = PB * WIDTH // 8
+    return tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :]), (tb // rows) * WIDTH
+
+
+@triton.jit
 def _joined_operand(base, tb, cols, ASM: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, PB: tl.constexpr,
                     HEAD_DIM: tl.constexpr):
     """``1024 + code`` ``[T, C]`` (fp16) of codes stored as two plane sets of widths ``W0`` (low bits) and ``W1``,
     token-packed in blocks of ``PB`` tokens (``base``: the block's first byte; ``tb``: the tile's tokens in the block;
-    ``cols``: the channels): for each token, its byte of each set (``rows = PB * W / 8`` rows per set, token ``t`` in
-    row ``t % rows`` at bit ``W * (t // rows)``), each field shifted down to its place in the code and the two joined.
+    ``cols``: the channels): for each token, its byte of each set (:func:`_plane_bytes`), each field shifted down to
+    its place in the code and the two joined.
     One operand and one product where a product per plane set cost a second conversion of the same count, a second
     pass through shared memory and a rescaling per token (``quality``'s values: 164 fewer instructions per warp and
     tile, kernel_report.md).
@@ -104,12 +114,8 @@ def _joined_operand(base, tb, cols, ASM: tl.constexpr, W0: tl.constexpr, W1: tl.
     are one token's channels: Triton packs four consecutive elements of a thread, and the loads here give each thread
     16 consecutive channels of a token (``sass.joined_groups_by_token`` checks the compiled layout, the kernel report
     flags any other)."""
-    rows0: tl.constexpr = PB * W0 // 8
-    rows1: tl.constexpr = PB * W1 // 8
-    s0 = (tb // rows0) * W0  # [T]: each token's bit position in its byte of the low set
-    s1 = (tb // rows1) * W1
-    low = tl.load(base + (tb % rows0)[:, None] * HEAD_DIM + cols[None, :])
-    high = tl.load(base + (rows0 + tb % rows1)[:, None] * HEAD_DIM + cols[None, :])
+    low, s0 = _plane_bytes(base, tb, cols, W0, 0, PB, HEAD_DIM)
+    high, s1 = _plane_bytes(base, tb, cols, W1, PB * W0 // 8, PB, HEAD_DIM)
     if ASM:
         # impure, as magic_fp16's: the fp16 it returns is what the products' fragments are sized for
         shape: tl.constexpr = low.shape
@@ -125,16 +131,13 @@ def _joined_operand(base, tb, cols, ASM: tl.constexpr, W0: tl.constexpr, W1: tl.
 
 
 @triton.jit
-def _field_operand(base, tb, cols, s_t, ASM: tl.constexpr, WIDTH: tl.constexpr, START: tl.constexpr,
-                   PB: tl.constexpr, HEAD_DIM: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr,
-                   EXACT: tl.constexpr = False):
+def _field_operand(base, tb, cols, s_t, ASM: tl.constexpr, WIDTH: tl.constexpr, PB: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, FLIP: tl.constexpr, PACKED: tl.constexpr, EXACT: tl.constexpr = False):
     """``(operand [T, C] fp16, shift [T])``: each token's ``WIDTH``-bit field of one plane set (or its 8-bit code),
     as ``1024 + field * 2**shift``. ``base``: the block's first byte (token-packed) or the tile's first token's row;
     ``tb``: the tile's tokens, in the block (packed) or from ``base`` (8-bit); ``cols``: the channels."""
-    if PACKED:
-        rows: tl.constexpr = PB * WIDTH // 8
-        shift = (tb // rows) * WIDTH
-        codes = tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :])
+    if PACKED:  # a block of one plane set
+        codes, shift = _plane_bytes(base, tb, cols, WIDTH, 0, PB, HEAD_DIM)
         mask = (((1 << WIDTH) - 1) << shift).to(tl.uint8)[:, None]
         # impure: Triton sizes a product's operand fragments by the narrowest load behind the operand (here bytes, 4
         # per thread along the product's inner axis); the fp16 it returns then reaches the tensor cores through
@@ -230,11 +233,11 @@ def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.conste
     and two joined plane sets: plus ``1024 * sq``, one number per row that the caller removes); ``sq`` the row sums
     of ``qs`` as rounded for the product (used for one plane set, whose magic number's share is scaled per token)."""
     if not PACKED:  # float32 operands or uint8 codes (signed int8 codes: _int8_key_scores): exact fp operands
-        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, 0, PB, HEAD_DIM, FLIP, False, True)
+        x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, 8, PB, HEAD_DIM, FLIP, False, True)
         return _scores(qs, x, QDOT, LEFT)
     if W1 > 0:  # two plane sets joined into one operand (no shift to undo): plus 1024 * sq, as 8-bit codes
         return _scores(qs, _joined_operand(kc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM), QDOT, LEFT)
-    x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, 0, PB, HEAD_DIM, FLIP, PACKED)
+    x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, PB, HEAD_DIM, FLIP, PACKED)
     return (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
 
 
@@ -274,7 +277,7 @@ def _value_products(p, acc, vc_base, tb, ch, svc_t, vs, ASM: tl.constexpr, QDOT:
     if PACKED and W1 > 0:  # two plane sets: joined into one operand (no shift to fold into the weights)
         x = _joined_operand(vc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM)
     else:
-        x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, 0, PB, HEAD_DIM, FLIP, PACKED)
+        x, shift = _field_operand(vc_base, tb, ch, svc_t, ASM, W0 if PACKED else 8, PB, HEAD_DIM, FLIP, PACKED)
         if PACKED:  # 2**-shift into the per-token scales, [T], not into the weights, [R, T]: the same (exact) products
             vs = vs * _pow2(-shift)
     w = (p * vs[None, :]).to(QDOT)
