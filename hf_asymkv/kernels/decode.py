@@ -147,14 +147,11 @@ def _compiled_spills(candidate: KernelLaunch) -> int:
     (``n_spills``, set when Triton loads a kernel; ``_init_handles`` is how it loads one before a launch). A Triton
     without either launches the candidate instead: the partial kernel writes all its outputs, so the launch that
     follows with the kept settings leaves the same result."""
-    compiled = None
-    if hasattr(candidate.kernel, "warmup"):
-        compiled = candidate.kernel.warmup(*candidate.args, grid=candidate.grid, **candidate.options)
-        if hasattr(compiled, "_init_handles"):
-            compiled._init_handles()
-        else:
-            compiled = None
-    if compiled is None:
+    warmup = getattr(candidate.kernel, "warmup", None)
+    compiled = None if warmup is None else warmup(*candidate.args, grid=candidate.grid, **candidate.options)
+    if hasattr(compiled, "_init_handles"):
+        compiled._init_handles()
+    else:
         compiled = candidate.kernel[candidate.grid](*candidate.args, **candidate.options)
     return int(getattr(compiled, "n_spills", 0) or 0)
 
