@@ -96,7 +96,8 @@ def _plane_bytes(base, tb, cols, WIDTH: tl.constexpr, START: tl.constexpr, PB: t
     token's field, and where the field lies in it (``rows = PB * WIDTH / 8`` rows per set, token ``t`` in row
     ``t % rows`` at bit ``WIDTH * (t // rows)``)."""
     rows: tl.constexpr = PB * WIDTH // 8
-    return tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :]), (tb // rows) * WIDTH
+    shift = (tb // rows) * WIDTH
+    return tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :]), shift
 
 
 @triton.jit
