@@ -25,9 +25,11 @@ __all__ = ["GRID", "PROGRAMS_PER_SM", "best_rows", "launch_rows", "markdown", "p
 
 GRID = {"num_warps": (1, 2, 4), "num_stages": (1, 2), "tile": (32, 64)}
 """The launch settings swept (each combination is one kernel compile per preset and dtype): the fast path's
-2 and 4 warps (``fast_warps``) and 1, which issues fewest instructions per byte for ``lean`` (0.141 with one stage,
-kernel report) at the price of resident warps, the trade only a timing can settle; 1 and 2 stages (the launcher's;
-3 asked more shared memory than the card has for float32 queries). 12 compiles, as many as the sweep before."""
+2 and 4 warps (``fast_warps``) and 1, which issued fewest instructions per byte for ``lean``'s 32-token tiles (0.141
+with one stage, kernel report) at the price of resident warps, the trade only a timing can settle; 1 and 2 stages
+(the launcher's; 3 asked more shared memory than the card has for float32 queries); 32 and 64 tokens (``lean``'s
+default tile holds two 32-token key blocks, ``decode.two_key_blocks``: both sizes are swept for it). 12 compiles, as
+many as the sweep before."""
 PROGRAMS_PER_SM = (1, 2, 4, 8)
 """Split counts swept for each compiled combination (no new compile)."""
 
@@ -48,7 +50,7 @@ def launch_rows(model, presets: list[str], batches: list[int], context: int, ite
     """One row per (preset, dtype, batch, launch setting, programs per SM): microseconds per call (graph replay,
     else eager) and SQNR against the torch fused attention; a setting that fails to compile or launch is recorded
     with its error. Stops starting new presets/batches after ``deadline`` (``time.monotonic()``)."""
-    from ..kernels.decode import LaunchConfig
+    from ..kernels.decode import LaunchConfig, two_key_blocks
     from ..kernels.regions import tile_tokens
 
     scale = model.config.head_dim**-0.5
@@ -63,7 +65,11 @@ def launch_rows(model, presets: list[str], batches: list[int], context: int, ite
         region, segments = kernel_regions(key, value, None, query.shape[2])  # once: every setting reads the same
         default_tile = tile_tokens(region)
         grid = [LaunchConfig(**dict(zip(GRID, values))) for values in itertools.product(*GRID.values())]
-        configs = [LaunchConfig()] + [c for c in grid if default_tile % c.tile == 0]  # tiles inside a key scale group
+        query_rows = query.shape[1] // region.keys.codes.shape[1] * query.shape[2]
+        padded = max(4, 1 << (query_rows - 1).bit_length())
+        # tiles inside a key scale group, or of two (lean's, at few query rows)
+        configs = [LaunchConfig()] + [c for c in grid if default_tile % c.tile == 0
+                                      or two_key_blocks(region, c.tile, padded)]
         for launch in configs:
             for per_sm in (None,) if launch == LaunchConfig() else PROGRAMS_PER_SM:
                 row = {"preset": preset, "dtype": label, "batch": batch, "context": context,

@@ -45,7 +45,7 @@ from .triton_decode import (
 )
 
 __all__ = ["INTERPRETED", "KernelLaunch", "LaunchConfig", "decode_attention", "launch_decode_attention",
-           "pipeline_stages", "plan_decode_attention", "settle_spills", "spill_alternatives"]
+           "pipeline_stages", "plan_decode_attention", "settle_spills", "spill_alternatives", "two_key_blocks"]
 
 FAST_MAX_TILE = 128  # tokens per tile on the fast path: a key block of balanced and quality
 MERGE_ELEMENTS = 4096  # a merge program holds (splits x channels) of one row: at most this many floats
@@ -203,7 +203,7 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
     # online softmax (max, exp2, sums, rescaling) then runs on 4 rows, not 16 (kernel_report.md)
     d_pad, r_pad = _pow2(head_dim), _pow2(rows, least=4)
     fast = quantized is not None and fast_path(quantized, d_pad)
-    tile = launch.tile_for(quantized, FAST_MAX_TILE if fast else MAX_TILE)
+    tile = launch.tile_for(quantized, FAST_MAX_TILE if fast else MAX_TILE, r_pad if fast else None)
     fast = fast and fast_path(quantized, d_pad, tile)
     counts = [-(-r.tokens // tile) for r in regions]
     if tiles_per_split is None:
@@ -250,15 +250,19 @@ class LaunchConfig:
 
     num_warps: int | None = None  # default: 4 (fast path: fast_warps), 8 for more than 4096 query rows x channels
     num_stages: int | None = None  # software-pipeline depth; default: pipeline_stages(tile)
-    tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's)
+    tile: int | None = None  # tokens per tile: a power of two >= 16 dividing the default (the key scale group's,
+    # or two of lean's 32-token groups)
     programs_per_sm: int | None = None  # splits aim at this many programs per SM; default PROGRAMS_PER_SM
     sm_count: int | None = None  # streaming multiprocessors to fill; default: the device's (a card's, for the report)
     capability: int | None = None  # the card's compute capability, major * 10 + minor; default: the device's
 
-    def tile_for(self, quantized: QuantizedRegion | None, limit: int = MAX_TILE) -> int:
-        """Tokens per tile for ``quantized``: the default (at most ``limit``), or the override if it fits a key
-        scale group."""
+    def tile_for(self, quantized: QuantizedRegion | None, limit: int = MAX_TILE, fast_rows: int | None = None) -> int:
+        """Tokens per tile for ``quantized``: the default (at most ``limit``; on the fast path, for ``fast_rows``
+        padded query rows, two key blocks where :func:`two_key_blocks` allows), or the override if it divides the
+        default."""
         default = tile_tokens(quantized, limit)
+        if fast_rows is not None and two_key_blocks(quantized, 2 * default, fast_rows):
+            default *= 2
         if self.tile is None:
             return default
         if self.tile < MIN_TILE or self.tile & (self.tile - 1) or default % self.tile:
@@ -397,14 +401,37 @@ def _code_args(stored: StoredCodes, prefix: str) -> tuple[list, dict]:
     return args, {f"{prefix}_{name}": value for name, value in constants.items()}
 
 
+TWO_BLOCK_GROUP = 32
+"""Key scale groups of this many tokens are read two per tile on the fast path (:func:`two_key_blocks`)."""
+
+
+def two_key_blocks(region: QuantizedRegion | None, tile: int, rows: int = 4) -> bool:
+    """Whether the fast path reads ``region``'s keys in tiles of ``tile`` tokens holding two key blocks
+    (``triton_codes._two_block_scores``): keys of one token-packed plane set (4 or 2 bits) without wide channels,
+    in blocks of :data:`TWO_BLOCK_GROUP` tokens (``lean``'s), one scale group per block, at most 8 padded query
+    ``rows`` (the product takes each twice). Per-tile work (the query scaled per block, the softmax's row steps, the
+    loop's own) then spreads over twice the bytes: ``lean`` 0.188 -> 0.144 warp instructions per byte on sm_90a
+    (kernel_report.md); with 5 query tokens x GQA 4 (32 padded rows) the doubled rows spilled (8-120 B) and issued
+    more (0.56 -> 0.97 per byte at head_dim 128), so those keep one block per tile."""
+    if region is None or rows > 8:
+        return False
+    keys = region.keys
+    return (tile == 2 * TWO_BLOCK_GROUP and keys.token_group == TWO_BLOCK_GROUP and keys.bits < 8
+            and keys.codes.dtype in (torch.int8, torch.uint8) and len(plane_sets(keys.bits)) == 1
+            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None)
+
+
 def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:
     """Whether the kernel reads ``region`` on its fast path (:mod:`.triton_codes`): int8 or token-packed codes,
     keys with one scale per channel (or per head) per block, values with one scale per token and head, or per token
-    and half head of at least 16 channels (head_dim 256 with the default 128-channel groups), blocks made of whole
-    tiles (``tile``, default the fast path's own), a power-of-two head_dim."""
+    and half head of at least 16 channels (head_dim 256 with the default 128-channel groups), tiles inside a key
+    block (or of two, :func:`two_key_blocks`), packing blocks made of whole tiles or tiles of whole blocks (``tile``,
+    default the fast path's own), a power-of-two head_dim."""
     keys, values = region.keys, region.values
     tile = tile or tile_tokens(region, FAST_MAX_TILE)
-    if keys.head_dim != d_pad or keys.token_group % tile or keys.channel_group not in (1, keys.head_dim):
+    if keys.token_group % tile and not two_key_blocks(region, tile):
+        return False
+    if keys.head_dim != d_pad or keys.channel_group not in (1, keys.head_dim):
         return False
     halves = values.channel_group == values.head_dim // 2 and values.channel_group >= 16
     if values.token_group != 1 or (values.channel_group != values.head_dim and not halves):
@@ -412,7 +439,7 @@ def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> b
     for stored in (keys, values):
         if stored.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             return False
-        if stored.bits < 8 and (stored.layout != "tokens" or stored.block_size % tile):
+        if stored.bits < 8 and (stored.layout != "tokens" or (stored.block_size % tile and tile % stored.block_size)):
             return False
     return True
 

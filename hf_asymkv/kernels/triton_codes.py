@@ -90,12 +90,19 @@ def _pow2(exponent):
 
 
 @triton.jit
-def _plane_bytes(base, tb, cols, WIDTH: tl.constexpr, START: tl.constexpr, PB: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _plane_bytes(base, tb, cols, WIDTH: tl.constexpr, START: tl.constexpr, PB: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BITS: tl.constexpr):
     """``(bytes [T, C], bit position [T])``: for each of the tile's tokens ``tb`` (in the block), the byte of the
     ``WIDTH``-bit plane set starting at row ``START`` of a token-packed block (``base``: its first byte) that holds the
     token's field, and where the field lies in it (``rows = PB * WIDTH / 8`` rows per set, token ``t`` in row
-    ``t % rows`` at bit ``WIDTH * (t // rows)``)."""
+    ``t % rows`` at bit ``WIDTH * (t // rows)``). A tile longer than a block (``lean``'s two 32-token blocks) reads
+    consecutive blocks of ``PB * BITS / 8`` rows each (``BITS``: the codes' width, all plane sets), ``tb`` counted
+    from the first one's start."""
     rows: tl.constexpr = PB * WIDTH // 8
+    if tb.shape[0] > PB:
+        within = tb % PB
+        row = (tb // PB) * (PB * BITS // 8) + START + within % rows
+        return tl.load(base + row[:, None] * HEAD_DIM + cols[None, :]), (within // rows) * WIDTH
     shift = (tb // rows) * WIDTH
     return tl.load(base + (START + tb % rows)[:, None] * HEAD_DIM + cols[None, :]), shift
 
@@ -115,8 +122,8 @@ def _joined_operand(base, tb, cols, ASM: tl.constexpr, W0: tl.constexpr, W1: tl.
     are one token's channels: Triton packs four consecutive elements of a thread, and the loads here give each thread
     16 consecutive channels of a token (``sass.joined_groups_by_token`` checks the compiled layout, the kernel report
     flags any other)."""
-    low, s0 = _plane_bytes(base, tb, cols, W0, 0, PB, HEAD_DIM)
-    high, s1 = _plane_bytes(base, tb, cols, W1, PB * W0 // 8, PB, HEAD_DIM)
+    low, s0 = _plane_bytes(base, tb, cols, W0, 0, PB, HEAD_DIM, W0 + W1)
+    high, s1 = _plane_bytes(base, tb, cols, W1, PB * W0 // 8, PB, HEAD_DIM, W0 + W1)
     if ASM:
         # impure, as magic_fp16's: the fp16 it returns is what the products' fragments are sized for
         shape: tl.constexpr = low.shape
@@ -138,7 +145,7 @@ def _field_operand(base, tb, cols, s_t, ASM: tl.constexpr, WIDTH: tl.constexpr, 
     as ``1024 + field * 2**shift``. ``base``: the block's first byte (token-packed) or the tile's first token's row;
     ``tb``: the tile's tokens, in the block (packed) or from ``base`` (8-bit); ``cols``: the channels."""
     if PACKED:  # a block of one plane set
-        codes, shift = _plane_bytes(base, tb, cols, WIDTH, 0, PB, HEAD_DIM)
+        codes, shift = _plane_bytes(base, tb, cols, WIDTH, 0, PB, HEAD_DIM, WIDTH)
         mask = (((1 << WIDTH) - 1) << shift).to(tl.uint8)[:, None]
         # impure: Triton sizes a product's operand fragments by the narrowest load behind the operand (here bytes, 4
         # per thread along the product's inner axis); the fp16 it returns then reaches the tensor cores through
@@ -240,6 +247,34 @@ def _key_scores(qs, sq, kc_base, tb, ch, s_t, ASM: tl.constexpr, QDOT: tl.conste
         return _scores(qs, _joined_operand(kc_base, tb, ch, ASM, W0, W1, PB, HEAD_DIM), QDOT, LEFT)
     x, shift = _field_operand(kc_base, tb, ch, s_t, ASM, W0, PB, HEAD_DIM, FLIP, PACKED)
     return (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :]
+
+
+@triton.jit
+def _two_block_scores(q2, q2_dot, ks_base, kz_base, meta, sks_t, past, kc_base, tb, ch, ASM: tl.constexpr,
+                      QDOT: tl.constexpr, HEAD_DIM: tl.constexpr, W0: tl.constexpr, PB: tl.constexpr,
+                      TG: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, LEFT: tl.constexpr):
+    """The true scores ``[R, T]`` of a tile of two key blocks of ``TG`` tokens, codes of one plane set of ``W0`` bits
+    (``lean``'s 32-token blocks in 64-token tiles: the per-tile work on the query, the softmax's row steps and the
+    loop's own, spread over twice the bytes).
+
+    ``q2`` ``[2 R, C]`` holds each query row twice, rows ``2 r`` and ``2 r + 1``: row ``2 r + i`` takes block ``i``'s
+    scales (``meta``: the first block's offsets ``[C]``, ``sks_t`` to the second's), one product against both
+    blocks' codes, and each token keeps its own block's row: in the product's result the two are one thread's pair
+    of columns, so the choice moves no data. Where the split ends after the first block (``past`` true) the
+    second block's tokens read the first's bytes (``tb``) and scales and its rows' constant is -inf: they take no
+    weight."""
+    odd = tl.arange(0, q2.shape[0]) % 2
+    blk = odd[:, None] * tl.where(past, 0, sks_t)
+    qs = q2_dot * tl.load(ks_base + meta[None, :] + blk).to(QDOT)
+    sq = tl.sum(qs.to(tl.float32), 1)
+    const = -OFFSET * sq  # taken after the field's shift is undone, with the zeros
+    if ZERO:
+        const += tl.sum(q2 * tl.load(kz_base + meta[None, :] + blk).to(tl.float32), 1)
+    const = tl.where((odd == 1) & past, float("-inf"), const)
+    x, shift = _field_operand(kc_base, tb, ch, 0, ASM, W0, PB, HEAD_DIM, 0, True)
+    both = (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :] + const[:, None]
+    first, later = tl.split(tl.permute(tl.reshape(both, [q2.shape[0] // 2, 2, tb.shape[0]]), [0, 2, 1]))
+    return tl.where((tl.arange(0, tb.shape[0]) < TG)[None, :], first, later)
 
 
 @triton.jit
@@ -371,36 +406,55 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
     # 80 integer instructions per warp (sign extensions and 64-bit adds the compiler did not hoist; kernel_report.md)
     INT8_KEYS: tl.constexpr = (not K_PACKED) and QDOT != tl.float32 and K_FLIP != 0
     k_ptrs = kc_base + (t_start + tok)[:, None] * skc_t + ch[None, :]
+    # a tile of two key blocks (_two_block_scores): each query row twice
+    TWO: tl.constexpr = TILE == 2 * K_TG
+    tl.static_assert(TILE <= K_TG or (TWO and K_PACKED and K_W1 == 0 and K_WIDE == 0), "tiles of one key block")
+    if TWO:
+        q2 = tl.reshape(tl.broadcast_to(q[:, None, :], [R_PAD, 2, HEAD_DIM]), [2 * R_PAD, HEAD_DIM])
+        q2_dot = q2.to(QDOT)  # built by tl.join instead, the product's operand fragments took register moves
     for t0 in range(t_start, t_stop, TILE):
-        meta = (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d
-        qs = q_dot * tl.load(ks_base + meta).to(QDOT)[None, :]
-        # the true scores are scores + const, a number per row
-        if K_PACKED and K_W1 > 0:
-            # joined codes (_joined_operand) carry no shift: the magic number's share, the codes' offset and the
-            # zeros are all one number per row, taken in one sum over the channels
-            sq = tl.zeros([R_PAD], tl.float32)  # unused
-            terms = qs.to(tl.float32) * -(K_OFFSET + MAGIC)
-            if K_ZERO:
-                terms += q * tl.load(kz_base + meta).to(tl.float32)[None, :]
-            const = tl.sum(terms, 1)
+        if TWO:
+            # splits start on whole tiles; one may end after its last tile's first block: the tokens of the
+            # second (and their values) are then read from the first (in range) and weighed 0
+            past = t0 + K_TG >= t_stop
+            tok_rd = tok - (tok // K_TG) * (K_TG * past.to(tl.int32))
+            live = t0 + tok < t_stop  # for a mask's loads
+            scores = _two_block_scores(q2, q2_dot, ks_base, kz_base, (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d,
+                                       sks_t, past, kc_base + t0 * skc_t, tok_rd, ch, ASM, QDOT, HEAD_DIM, K_W0,
+                                       K_PB, K_TG, K_ZERO, K_OFFSET, K_LEFT)
+            const = tl.zeros([R_PAD], tl.float32)
         else:
-            if K_PACKED:
-                sq = tl.sum(qs.to(tl.float32), 1)
-                const = -K_OFFSET * sq
+            tok_rd = tok
+            live = tok >= 0
+            meta = (t0 // K_TG) * sks_t + (ch // K_CG) * sks_d
+            qs = q_dot * tl.load(ks_base + meta).to(QDOT)[None, :]
+            # the true scores are scores + const, a number per row
+            if K_PACKED and K_W1 > 0:
+                # joined codes (_joined_operand) carry no shift: the magic number's share, the codes' offset and the
+                # zeros are all one number per row, taken in one sum over the channels
+                sq = tl.zeros([R_PAD], tl.float32)  # unused
+                terms = qs.to(tl.float32) * -(K_OFFSET + MAGIC)
+                if K_ZERO:
+                    terms += q * tl.load(kz_base + meta).to(tl.float32)[None, :]
+                const = tl.sum(terms, 1)
             else:
-                sq = tl.zeros([R_PAD], tl.float32)  # 8-bit codes are exact operands: nothing to take off
-                const = tl.zeros([R_PAD], tl.float32)
-            if K_ZERO:
-                const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
-        if K_PACKED:
-            scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
-                                 HEAD_DIM, K_W0, K_W1, K_PB, 0, True, K_LEFT)
-        elif INT8_KEYS:
-            scores = _int8_key_scores(qs, tl.load(k_ptrs), K_LEFT)
-            k_ptrs += TILE * skc_t
-        else:
-            scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
-                                 False, K_LEFT)
+                if K_PACKED:
+                    sq = tl.sum(qs.to(tl.float32), 1)
+                    const = -K_OFFSET * sq
+                else:
+                    sq = tl.zeros([R_PAD], tl.float32)  # 8-bit codes are exact operands: nothing to take off
+                    const = tl.zeros([R_PAD], tl.float32)
+                if K_ZERO:
+                    const += tl.sum(q * tl.load(kz_base + meta).to(tl.float32)[None, :], 1)
+            if K_PACKED:
+                scores = _key_scores(qs, sq, kc_base + (t0 - t0 % K_PB) * skc_t, t0 % K_PB + tok, ch, skc_t, ASM, QDOT,
+                                     HEAD_DIM, K_W0, K_W1, K_PB, 0, True, K_LEFT)
+            elif INT8_KEYS:
+                scores = _int8_key_scores(qs, tl.load(k_ptrs), K_LEFT)
+                k_ptrs += TILE * skc_t
+            else:
+                scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
+                                     False, K_LEFT)
         if K_WIDE > 0:
             wide, wide_const = _wide_scores(qs.to(tl.float32), kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0,
                                             t0 + tok, ASM, QDOT, K_TG, K_W0 + K_W1, K_WIDE, K_WIDE_PAD, K_OFFSET > 0,
@@ -408,7 +462,7 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
             scores += wide
             const += wide_const
         if MASK != 0:
-            valid = rows_ok[:, None] & (tok >= 0)[None, :]
+            valid = rows_ok[:, None] & live[None, :]
             scores += mask_bias(mask_ptr, sm_b, sm_h, sm_q, sm_k, b, heads[:, None], qpos[:, None],
                                 col0 + t0 + tok[None, :], valid, q_len, kv_len, MASK)
         m_new = tl.maximum(m_i, tl.max(scores, 1) + const)
@@ -417,11 +471,11 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
         p = tl.exp2(scores - (m_safe - const)[:, None])
         l_t = _row_sum_step(l_t, alpha, p)
         m_i = m_new
-        acc, z_t = _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok, vch, ASM, QDOT,
+        acc, z_t = _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0, tok_rd, vch, ASM, QDOT,
                                 HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1, V_PB, V_ZERO, V_OFFSET, V_LEFT)
         if GROUPS == 2:
             acc_hi, z_hi = _value_group(p, alpha, acc_hi, z_hi, vc_base, svc_t, vs_base + svs_d, vz_base + svs_d,
-                                        svs_t, t0, tok, vch + V_CG, ASM, QDOT, HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1,
+                                        svs_t, t0, tok_rd, vch + V_CG, ASM, QDOT, HEAD_DIM, V_PACKED, V_FLIP, V_W0, V_W1,
                                         V_PB, V_ZERO, V_OFFSET, V_LEFT)
     acc += _row_total(z_t)[:, None]
     if GROUPS == 2:  # [R, 2, D / 2] -> [R, D]: the halves side by side

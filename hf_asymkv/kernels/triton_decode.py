@@ -299,8 +299,10 @@ def partial_attention_kernel(
             start = pid_s * span
             stop = tl.minimum(start + span, q_n)
             if Q_FILL:  # stored tokens only (a static cache's filled slots), whole tiles: later splits read nothing
+                # (whole key blocks where a tile holds two: fast_split weighs 0 a tile's second block past the stop)
+                GRAIN: tl.constexpr = K_TG if FAST and TILE == 2 * K_TG else TILE
                 filled = tl.load(q_fill_ptr).to(tl.int32)
-                stop = tl.minimum(stop, (filled + TILE - 1) // TILE * TILE)
+                stop = tl.minimum(stop, (filled + GRAIN - 1) // GRAIN * GRAIN)
             if FAST:
                 acc, m_i, l_i = fast_split(
                     q, kc_ptr + b * skc_b + h * skc_h, skc_t, ks_ptr + b * sks_b + h * sks_h,

@@ -21,12 +21,13 @@ def tiny_model():
 
 @needs_triton
 def test_sweep_rows_agree_with_the_torch_attention(tiny_model, monkeypatch):
-    monkeypatch.setattr(gpu_tune, "GRID", {"num_warps": (4,), "num_stages": (1,), "tile": (16, 64)})
+    monkeypatch.setattr(gpu_tune, "GRID", {"num_warps": (4,), "num_stages": (1,), "tile": (16, 64, 128)})
     monkeypatch.setattr(gpu_tune, "PROGRAMS_PER_SM", (1, 2))
     rows = gpu_tune.launch_rows(tiny_model, ["lean"], [1], 256, iters=1, dtypes=[torch.float32])
-    # the default launch, then tile 16 at two split counts; tile 64 is wider than lean's 32-token key groups: skipped
-    assert [(r["default"], r["tile"], r["programs_per_sm"]) for r in rows] == [(True, None, None), (False, 16, 1),
-                                                                               (False, 16, 2)]
+    # the default launch, then tiles 16 (inside lean's 32-token key groups) and 64 (two of them, lean's default) at
+    # two split counts each; 128 holds four groups: skipped
+    assert [(r["default"], r["tile"], r["programs_per_sm"]) for r in rows] == [
+        (True, None, None), (False, 16, 1), (False, 16, 2), (False, 64, 1), (False, 64, 2)]
     assert all(r["sqnr_db"] >= 60 and r["us"] > 0 for r in rows)
 
 

@@ -25,8 +25,10 @@ from hf_asymkv.kernels.decode import (
     fast_warps,
     launch_decode_attention,
     pipeline_stages,
+    plan_decode_attention,
     settle_spills,
     spill_alternatives,
+    two_key_blocks,
 )
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
@@ -119,6 +121,38 @@ def test_launch_overrides_give_the_same_attention(name, launch):
     # a tile smaller than the key scale group still folds one scale per tile; warps, stages and splits change
     # nothing the kernel computes (gpu_check.py --parts tune sweeps them on a GPU)
     out, ref = _preset(name, launch=LAUNCHES[launch], **LENGTHS["partial-tile"])
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+def _planned_tile(name: str, blocks: int = 2) -> int:
+    config, block = FORMATS[name]
+    region, segments, k, _ = build(*specs(config, 64), block, blocks=blocks)
+    query = torch.randn(2, k.shape[1], 1, 64)
+    (partial, _), _ = plan_decode_attention(query, 0.125, quantized=region, exact=segments, kv_len=k.shape[2])
+    return partial.options["TILE"]
+
+
+def test_lean_reads_two_key_blocks_per_tile():
+    # lean's 32-token key blocks, two per 64-token tile on the fast path (0.188 -> 0.144 warp instructions per byte
+    # on sm_90a, kernel_report.md); keys of two plane sets or with wide channels keep tiles of one block
+    assert _planned_tile("lean") == 64
+    assert {name: _planned_tile(name) for name in ("balanced", "compact", "tight", "max")} == {
+        "balanced": 128, "compact": 64, "tight": 64, "max": 64}
+    config, block = FORMATS["lean"]
+    region, _, _, _ = build(*specs(config, 64), block, blocks=2)
+    assert two_key_blocks(region, 64) and not two_key_blocks(region, 32) and fast_path(region, 64, 64)
+    for name in ("compact", "tight", "balanced"):  # wide channels; two plane sets (int3); int8
+        config, _ = FORMATS[name]
+        region, _, _, _ = build(*specs(config, 64), 32, blocks=2)  # in 32-token blocks, as lean's
+        assert region.keys.token_group == 32 and not two_key_blocks(region, 64)
+
+
+@pytest.mark.parametrize("tiles_per_split", [None, 1], ids=["auto-splits", "one-tile-splits"])
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5])
+def test_tiles_of_two_key_blocks_where_a_split_ends_half_way(blocks, tiles_per_split):
+    # an odd number of 32-token blocks: a split's last tile holds one block, whose second half reads the first's
+    # bytes and scales and is weighed 0 (the scales past the region are never read: test_static_kernel.py)
+    out, ref = _preset("lean", blocks=blocks, tiles_per_split=tiles_per_split, **LENGTHS["partial-tile"])
     assert sqnr_db(ref, out) >= FLOAT32_DB
 
 
