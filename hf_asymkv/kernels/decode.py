@@ -408,17 +408,21 @@ TWO_BLOCK_GROUP = 32
 def two_key_blocks(region: QuantizedRegion | None, tile: int, rows: int = 4) -> bool:
     """Whether the fast path reads ``region``'s keys in tiles of ``tile`` tokens holding two key blocks
     (``triton_codes._two_block_scores``): keys of one token-packed plane set (4 or 2 bits) without wide channels,
-    in blocks of :data:`TWO_BLOCK_GROUP` tokens (``lean``'s), one scale group per block, at most 8 padded query
+    in blocks of :data:`TWO_BLOCK_GROUP` tokens (``lean``'s), one scale group per block, values whose packing blocks
+    the tile divides or spans whole (else the fast path could not take the tile), at most 8 padded query
     ``rows`` (the product takes each twice). Per-tile work (the query scaled per block, the softmax's row steps, the
     loop's own) then spreads over twice the bytes: ``lean`` 0.188 -> 0.144 warp instructions per byte on sm_90a
     (kernel_report.md); with 5 query tokens x GQA 4 (32 padded rows) the doubled rows spilled (8-120 B) and issued
     more (0.56 -> 0.97 per byte at head_dim 128), so those keep one block per tile."""
     if region is None or rows > 8:
         return False
-    keys = region.keys
+    keys, values = region.keys, region.values
+    values_fit = values.bits == 8 or (values.layout == "tokens" and not (values.block_size % tile
+                                                                         and tile % values.block_size))
     return (tile == 2 * TWO_BLOCK_GROUP and keys.token_group == TWO_BLOCK_GROUP and keys.bits < 8
             and keys.codes.dtype in (torch.int8, torch.uint8) and len(plane_sets(keys.bits)) == 1
-            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None)
+            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None
+            and values_fit)
 
 
 def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:
