@@ -127,7 +127,7 @@ def test_launch_overrides_give_the_same_attention(name, launch):
 def _planned_tile(name: str, blocks: int = 2) -> int:
     config, block = FORMATS[name]
     region, segments, k, _ = build(*specs(config, 64), block, blocks=blocks)
-    query = torch.randn(2, k.shape[1], 1, 64)
+    query = torch.randn(2, k.shape[1] * 4, 1, 64)  # GQA 4, one query token
     (partial, _), _ = plan_decode_attention(query, 0.125, quantized=region, exact=segments, kv_len=k.shape[2])
     return partial.options["TILE"]
 
@@ -151,8 +151,25 @@ def test_lean_reads_two_key_blocks_per_tile():
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5])
 def test_tiles_of_two_key_blocks_where_a_split_ends_half_way(blocks, tiles_per_split):
     # an odd number of 32-token blocks: a split's last tile holds one block, whose second half reads the first's
-    # bytes and scales and is weighed 0 (the scales past the region are never read: test_static_kernel.py)
-    out, ref = _preset("lean", blocks=blocks, tiles_per_split=tiles_per_split, **LENGTHS["partial-tile"])
+    # bytes and scales and is weighed 0 (the scales past the region are never read: test_static_kernel.py). GQA 4,
+    # one query token: 4 rows (more than 8 padded rows keep one block per tile)
+    assert _planned_tile("lean", blocks) == 64
+    out, ref = _preset("lean", blocks=blocks, tiles_per_split=tiles_per_split, n_rep=4, q_len=1,
+                       **LENGTHS["partial-tile"])
+    assert sqnr_db(ref, out) >= FLOAT32_DB
+
+
+TWO_BLOCK_KEYS = {"int4-symmetric": QuantSpec("int4", "channel"),  # the codes' offset (8) in the row constant
+                  "int2-asymmetric": QuantSpec("int2", "channel", symmetric=False)}  # four tokens per byte
+
+
+@pytest.mark.parametrize("name", list(TWO_BLOCK_KEYS), ids=list(TWO_BLOCK_KEYS))
+def test_other_keys_of_one_plane_set_in_two_block_tiles(name):
+    # 3 blocks of 32 tokens, 4 query rows: two 64-token tiles, the second ending half way
+    value_spec = QuantSpec("int4", "token", 64, symmetric=False)
+    region, _, _, _ = build(TWO_BLOCK_KEYS[name], value_spec, 32, blocks=3)
+    assert two_key_blocks(region, 64)
+    out, ref = _attend(TWO_BLOCK_KEYS[name], value_spec, 32, blocks=3, n_rep=4, q_len=1)
     assert sqnr_db(ref, out) >= FLOAT32_DB
 
 
