@@ -276,8 +276,10 @@ _DEFAULT_LAUNCH = LaunchConfig()  # made once: the decode step's path builds not
 def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int | None = None, rows: int = 4) -> int:
     """Warps per program on the fast path: at least 16 tokens of a tile per warp, at most 4 for 128-token tiles and 2
     for shorter ones, except 4 for 64-token tiles of keys with wide channels (``compact``, ``max``: with 2 warps they
-    take 235-253 registers, at the cap) and for any 64-token tile on cards before sm_89 (``capability``, major * 10 +
-    minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80. Fewer warps hold more of
+    take 235-253 registers, at the cap) and for 64-token tiles on cards before sm_89 (``capability``, major * 10 +
+    minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80; but not for ``lean``'s
+    tiles of two key blocks (:func:`two_key_blocks`) up to head_dim 128: 168 registers and 0.139 warp instructions
+    per byte on sm_80 with 2, 0.184 with 4 (at head_dim 256, 255 registers with 2). Fewer warps hold more of
     a tile each, and the per-tile steps shared by all warps (row max and sums across warps, barriers) are paid fewer
     times: on sm_90a ``tight`` issues 0.31 warp instructions per byte with 2 warps, 0.39 with 4 (kernel_report.md).
     One warp would issue less still (``lean`` 0.148 at 255 registers; 0.141 and 248 with one pipeline stage) but leaves
@@ -285,7 +287,10 @@ def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int
     warps). More than 8 padded query ``rows`` (GQA 4
     with 5 query tokens pads 20 to 32) take 4 warps for 64-token tiles: ``tight`` spilled 320 B so with 2."""
     wide = region is not None and region.keys.wide_bits is not None
-    four = tile >= 128 or (tile == 64 and (wide or rows > 8 or (capability is not None and capability < 89)))
+    old_card = capability is not None and capability < 89
+    if old_card and two_key_blocks(region, tile, rows) and region.keys.head_dim <= 128:
+        old_card = False
+    four = tile >= 128 or (tile == 64 and (wide or rows > 8 or old_card))
     return max(1, min(4 if four else 2, tile // 16))
 
 
@@ -414,15 +419,14 @@ def two_key_blocks(region: QuantizedRegion | None, tile: int, rows: int = 4) -> 
     loop's own) then spreads over twice the bytes: ``lean`` 0.188 -> 0.144 warp instructions per byte on sm_90a
     (kernel_report.md); with 5 query tokens x GQA 4 (32 padded rows) the doubled rows spilled (8-120 B) and issued
     more (0.56 -> 0.97 per byte at head_dim 128), so those keep one block per tile."""
-    if region is None or rows > 8:
+    if region is None or rows > 8 or tile != 2 * TWO_BLOCK_GROUP or region.keys.token_group != TWO_BLOCK_GROUP:
         return False
     keys, values = region.keys, region.values
-    values_fit = values.bits == 8 or (values.layout == "tokens" and not (values.block_size % tile
-                                                                         and tile % values.block_size))
-    return (tile == 2 * TWO_BLOCK_GROUP and keys.token_group == TWO_BLOCK_GROUP and keys.bits < 8
-            and keys.codes.dtype in (torch.int8, torch.uint8) and len(plane_sets(keys.bits)) == 1
-            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None
-            and values_fit)
+    if not (keys.bits < 8 and keys.codes.dtype in (torch.int8, torch.uint8) and len(plane_sets(keys.bits)) == 1
+            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None):
+        return False
+    return values.bits == 8 or (values.layout == "tokens" and not (values.block_size % tile
+                                                                   and tile % values.block_size))
 
 
 def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:

@@ -201,13 +201,18 @@ def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     # results/gpu/kernel_report.md (sm_90a): at least 16 tokens of a tile per warp, 2 warps below 128-token tiles
     # unless the keys have wide channels (or the card is older than sm_89); value codes on the left of their product,
     # key codes where each warp holds whole 16-token fragments
-    keys = dataclasses.make_dataclass("Keys", ["wide_bits"])
+    keys = dataclasses.make_dataclass("Keys", ["wide_bits", ("token_group", int, 64)])
     region = dataclasses.make_dataclass("Region", ["keys"])
     plain, wide = region(keys(None)), region(keys(torch.zeros(1)))
     assert [fast_warps(t, plain) for t in (128, 64, 32, 16)] == [4, 2, 2, 1]
     assert [fast_warps(t, wide) for t in (128, 64, 32, 16)] == [4, 4, 2, 1]
     assert [fast_warps(64, plain, capability) for capability in (80, 86, 89, 90)] == [4, 4, 2, 2]  # sm_80: 255 regs
     assert [fast_warps(64, plain, 90, rows) for rows in (4, 8, 32)] == [2, 2, 4]  # 5 query tokens x GQA 4: 32 rows
+    # lean's tiles of two key blocks keep 2 on sm_80 up to head_dim 128 (168 registers; 255 at head_dim 256)
+    config, block = FORMATS["lean"]
+    lean = {d: build(*specs(config, d), block, head_dim=d, blocks=2)[0] for d in (128, 256)}
+    assert [fast_warps(64, lean[128], capability) for capability in (80, 90)] == [2, 2]
+    assert [fast_warps(64, lean[256], capability) for capability in (80, 90)] == [4, 2]
     assert codes_left(plain, 128, 4, True) == {"K_LEFT": True, "V_LEFT": True}
     assert codes_left(plain, 32, 4, True) == {"K_LEFT": False, "V_LEFT": True}  # 8 tokens per warp
     assert codes_left(wide, 64, 4, True) == {"K_LEFT": True, "V_LEFT": True}
