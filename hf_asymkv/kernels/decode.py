@@ -282,7 +282,8 @@ def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int
     per byte on sm_80 with 2, 0.184 with 4 (at head_dim 256, 255 registers with 2). Fewer warps hold more of
     a tile each, and the per-tile steps shared by all warps (row max and sums across warps, barriers) are paid fewer
     times: on sm_90a ``tight`` issues 0.31 warp instructions per byte with 2 warps, 0.39 with 4 (kernel_report.md).
-    One warp would issue less still (``lean`` 0.148 at 255 registers; 0.141 and 248 with one pipeline stage) but leaves
+    One warp would issue less still (``lean``'s 32-token tiles: 0.148 at 255 registers, 0.141 and 248 with one
+    pipeline stage; its 64-token tiles of two key blocks issue 0.144 with two warps at 168) but leaves
     half the warps resident and none prefetching: not taken before a GPU times it (``gpu_tune.GRID`` sweeps 1, 2 and 4
     warps). More than 8 padded query ``rows`` (GQA 4
     with 5 query tokens pads 20 to 32) take 4 warps for 64-token tiles: ``tight`` spilled 320 B so with 2."""
