@@ -66,10 +66,9 @@ def launch_rows(model, presets: list[str], batches: list[int], context: int, ite
         default_tile = tile_tokens(region)
         grid = [LaunchConfig(**dict(zip(GRID, values))) for values in itertools.product(*GRID.values())]
         query_rows = query.shape[1] // region.keys.codes.shape[1] * query.shape[2]
-        padded = max(4, 1 << (query_rows - 1).bit_length())
         # tiles inside a key scale group, or of two (lean's, at few query rows)
         configs = [LaunchConfig()] + [c for c in grid if default_tile % c.tile == 0
-                                      or two_key_blocks(region, c.tile, padded)]
+                                      or two_key_blocks(region, c.tile, query_rows)]
         for launch in configs:
             for per_sm in (None,) if launch == LaunchConfig() else PROGRAMS_PER_SM:
                 row = {"preset": preset, "dtype": label, "batch": batch, "context": context,

@@ -288,9 +288,8 @@ def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int
     warps). More than 8 padded query ``rows`` (GQA 4
     with 5 query tokens pads 20 to 32) take 4 warps for 64-token tiles: ``tight`` spilled 320 B so with 2."""
     wide = region is not None and region.keys.wide_bits is not None
-    old_card = capability is not None and capability < 89
-    if old_card and two_key_blocks(region, tile, rows) and region.keys.head_dim <= 128:
-        old_card = False
+    old_card = (capability is not None and capability < 89
+                and not (two_key_blocks(region, tile, rows) and region.keys.head_dim <= 128))
     four = tile >= 128 or (tile == 64 and (wide or rows > 8 or old_card))
     return max(1, min(4 if four else 2, tile // 16))
 
@@ -415,19 +414,24 @@ def two_key_blocks(region: QuantizedRegion | None, tile: int, rows: int = 4) -> 
     """Whether the fast path reads ``region``'s keys in tiles of ``tile`` tokens holding two key blocks
     (``triton_codes._two_block_scores``): keys of one token-packed plane set (4 or 2 bits) without wide channels,
     in blocks of :data:`TWO_BLOCK_GROUP` tokens (``lean``'s), one scale group per block, values whose packing blocks
-    the tile divides or spans whole (else the fast path could not take the tile), at most 8 padded query
-    ``rows`` (the product takes each twice). Per-tile work (the query scaled per block, the softmax's row steps, the
+    the tile divides or spans whole (else the fast path could not take the tile), at most 8 query ``rows`` (the
+    product takes each twice; padded to a power of two or not, the same bound). Per-tile work (the query scaled per block, the softmax's row steps, the
     loop's own) then spreads over twice the bytes: ``lean`` 0.188 -> 0.144 warp instructions per byte on sm_90a
     (kernel_report.md); with 5 query tokens x GQA 4 (32 padded rows) the doubled rows spilled (8-120 B) and issued
     more (0.56 -> 0.97 per byte at head_dim 128), so those keep one block per tile."""
     if region is None or rows > 8 or tile != 2 * TWO_BLOCK_GROUP or region.keys.token_group != TWO_BLOCK_GROUP:
         return False
     keys, values = region.keys, region.values
-    if not (keys.bits < 8 and keys.codes.dtype in (torch.int8, torch.uint8) and len(plane_sets(keys.bits)) == 1
-            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None):
-        return False
-    return values.bits == 8 or (values.layout == "tokens" and not (values.block_size % tile
-                                                                   and tile % values.block_size))
+    return (keys.bits < 8 and keys.codes.dtype in (torch.int8, torch.uint8) and len(plane_sets(keys.bits)) == 1
+            and keys.layout == "tokens" and keys.block_size == keys.token_group and keys.wide_bits is None
+            and _blocks_fit(values, tile))
+
+
+def _blocks_fit(stored: StoredCodes, tile: int) -> bool:
+    """Whether tiles of ``tile`` tokens read ``stored`` on the fast path: 8-bit codes, or sub-byte codes packed along
+    tokens in blocks the tile divides or spans whole."""
+    return stored.bits == 8 or (stored.layout == "tokens" and not (stored.block_size % tile
+                                                                   and tile % stored.block_size))
 
 
 def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> bool:
@@ -448,7 +452,7 @@ def fast_path(region: QuantizedRegion, d_pad: int, tile: int | None = None) -> b
     for stored in (keys, values):
         if stored.codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             return False
-        if stored.bits < 8 and (stored.layout != "tokens" or (stored.block_size % tile and tile % stored.block_size)):
+        if not _blocks_fit(stored, tile):
             return False
     return True
 

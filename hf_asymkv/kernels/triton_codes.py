@@ -271,8 +271,7 @@ def _two_block_scores(q2, q2_dot, ks_base, kz_base, meta, sks_t, past, kc_base, 
     if ZERO:
         const += tl.sum(q2 * tl.load(kz_base + meta[None, :] + blk).to(tl.float32), 1)
     const = tl.where((odd == 1) & past, float("-inf"), const)
-    x, shift = _field_operand(kc_base, tb, ch, 0, ASM, W0, PB, HEAD_DIM, 0, True)
-    both = (_scores(qs, x, QDOT, LEFT) - MAGIC * sq[:, None]) * _pow2(-shift)[None, :] + const[:, None]
+    both = _key_scores(qs, sq, kc_base, tb, ch, 0, ASM, QDOT, HEAD_DIM, W0, 0, PB, 0, True, LEFT) + const[:, None]
     first, later = tl.split(tl.permute(tl.reshape(both, [q2.shape[0] // 2, 2, tb.shape[0]]), [0, 2, 1]))
     return tl.where((tl.arange(0, tb.shape[0]) < TG)[None, :], first, later)
 
