@@ -232,7 +232,8 @@ def plan_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Qua
         HEAD_DIM=head_dim, D_PAD=d_pad, R_PAD=r_pad, TILE=tile, DOT=_dot_dtype(query),
         HAS_QUANT=has_quant, N_EXACT=len(segments), A_MASK=exact_args[0][-1], B_MASK=exact_args[1][-1],
         ASM=not INTERPRETED, QDOT=_code_dot_dtype(query), ROTATED=rotated, LOG2_BLOCK=block.bit_length() - 1,
-        num_warps=num_warps, num_stages=stages, **constants, **codes_left(quantized, tile, num_warps, fast, capability)))
+        num_warps=num_warps, num_stages=stages, **constants, **codes_left(quantized, tile, num_warps, fast, capability),
+        K_WIDE_LOAD=wide_query_loads(quantized, r_pad, capability)))
     out = torch.empty(b, q_len, hq, head_dim, dtype=query.dtype, device=query.device)
     s_pad = max(2, _pow2(n_splits, least=1))
     chunk = max(16, min(d_pad, MERGE_ELEMENTS // s_pad))
@@ -275,11 +276,12 @@ _DEFAULT_LAUNCH = LaunchConfig()  # made once: the decode step's path builds not
 
 def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int | None = None, rows: int = 4) -> int:
     """Warps per program on the fast path: at least 16 tokens of a tile per warp, at most 4 for 128-token tiles and 2
-    for shorter ones, except 4 for 64-token tiles of keys with wide channels (``compact``, ``max``: with 2 warps they
-    take 235-253 registers, at the cap) and for 64-token tiles on cards before sm_89 (``capability``, major * 10 +
-    minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80; but not for ``lean``'s
-    tiles of two key blocks (:func:`two_key_blocks`) up to head_dim 128: 168 registers and 0.139 warp instructions
-    per byte on sm_80 with 2, 0.184 with 4 (at head_dim 256, 255 registers with 2). Fewer warps hold more of
+    for shorter ones, except 4 for 64-token tiles of keys with wide channels (``compact``, ``max``) beyond head_dim
+    128 (with 2 warps they take 254-255 registers) and for 64-token tiles on cards before sm_89 (``capability``,
+    major * 10 + minor; None: sm_90's rule), where ``tight`` with 2 warps takes 255 registers on sm_80; but not, up
+    to head_dim 128, for ``lean``'s tiles of two key blocks (:func:`two_key_blocks`: 168 registers and 0.139 warp
+    instructions per byte on sm_80 with 2, 0.184 with 4; at head_dim 256, 255 registers with 2) nor for wide
+    channels (``compact`` on sm_80: 227 registers, 0.226 with 2, 0.288 with 4). Fewer warps hold more of
     a tile each, and the per-tile steps shared by all warps (row max and sums across warps, barriers) are paid fewer
     times: on sm_90a ``tight`` issues 0.31 warp instructions per byte with 2 warps, 0.39 with 4 (kernel_report.md).
     One warp would issue less still (``lean``'s 32-token tiles: 0.148 at 255 registers, 0.141 and 248 with one
@@ -288,9 +290,10 @@ def fast_warps(tile: int, region: QuantizedRegion | None = None, capability: int
     warps). More than 8 padded query ``rows`` (GQA 4
     with 5 query tokens pads 20 to 32) take 4 warps for 64-token tiles: ``tight`` spilled 320 B so with 2."""
     wide = region is not None and region.keys.wide_bits is not None
+    small_head = region is not None and region.keys.head_dim <= 128
     old_card = (capability is not None and capability < 89
-                and not (two_key_blocks(region, tile, rows) and region.keys.head_dim <= 128))
-    four = tile >= 128 or (tile == 64 and (wide or rows > 8 or old_card))
+                and not ((wide or two_key_blocks(region, tile, rows)) and small_head))
+    four = tile >= 128 or (tile == 64 and ((wide and not small_head) or rows > 8 or old_card))
     return max(1, min(4 if four else 2, tile // 16))
 
 
@@ -306,6 +309,20 @@ def codes_left(region: QuantizedRegion | None, tile: int, num_warps: int, fast: 
     fast = fast and region is not None
     keys = fast and tile >= 16 * num_warps and not (capability == 89 and tile <= 32)
     return {"K_LEFT": keys, "V_LEFT": fast}
+
+
+def wide_query_loads(region: QuantizedRegion | None, rows: int = 4, capability: int | None = None) -> bool:
+    """The fast path's ``K_WIDE_LOAD``: whether each tile takes its wide key channels' query columns from memory (the
+    query's and the chosen channels' scales, loads that hit the cache) rather than gathering them across the lanes
+    that hold them (:func:`~hf_asymkv.kernels.triton_codes._wide_scores`): fewer instructions, where the registers
+    allow. On sm_90a (kernel_report.md; ``compact``/``max``, GQA 4, one query token) head_dim 128 at 2 warps 0.240 ->
+    0.222 / 0.376 -> 0.347 warp instructions per byte, head_dim 256 at 4 warps 0.263 -> 0.234 / 0.412 -> 0.366. Not
+    at head_dim 256 on cards before sm_90 (``capability``, major * 10 + minor; None: sm_90's rule), where ``compact``
+    reaches the 255-register cap, nor for more than 8 padded query ``rows``, where ``max`` spilled 16 B (GQA 4 with
+    5 query tokens, head_dim 128)."""
+    if region is None or region.keys.wide_bits is None or rows > 8:
+        return False
+    return region.keys.head_dim <= 128 or capability is None or capability >= 90
 
 
 def pipeline_stages(tile: int) -> int:

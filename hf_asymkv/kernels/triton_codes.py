@@ -277,20 +277,35 @@ def _two_block_scores(q2, q2_dot, ks_base, kz_base, meta, sks_t, past, kc_base, 
 
 
 @triton.jit
-def _wide_scores(qs32, kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0, tok, ASM: tl.constexpr,
-                 QDOT: tl.constexpr, TG: tl.constexpr, BITS: tl.constexpr, WIDE: tl.constexpr,
-                 WIDE_PAD: tl.constexpr, SYMMETRIC: tl.constexpr, LEFT: tl.constexpr):
+def _wide_scores(qs32, q_rows, sq_d, qk_scale, rows_ok, ks_blk, sks_d, kw_base, skw_t, skw_p, kwc_base, skwc_n,
+                 skwc_r, t0, tok, ASM: tl.constexpr, QDOT: tl.constexpr, TG: tl.constexpr, CG: tl.constexpr,
+                 BITS: tl.constexpr, WIDE: tl.constexpr, WIDE_PAD: tl.constexpr, SYMMETRIC: tl.constexpr,
+                 LOAD: tl.constexpr, LEFT: tl.constexpr):
     """``(scores [R, T], row constant [R])``: what the block's wide channels' high bits add to the scores,
     ``sum_j qs[r, ch_j] * (2**BITS * high[t, j] - offset)`` (``offset`` ``2**(BITS - 1)`` for symmetric codes), as
     a product and a number per row for the caller's row constant (the magic number's share and the offset). One
-    product over the ``WIDE`` slots (padded to ``WIDE_PAD`` >= 16), the query's columns gathered once, on the side
-    ``LEFT`` puts the keys' own product (:func:`_scores`); slot ``j``'s bit is bit ``j % 8`` of byte ``j // 8``, and its
-    ``2**(j % 8)`` is folded into the gathered query."""
+    product over the ``WIDE`` slots (padded to ``WIDE_PAD`` >= 16), on the side ``LEFT`` puts the keys' own product
+    (:func:`_scores`); slot ``j``'s bit is bit ``j % 8`` of byte ``j // 8``, and its ``2**(j % 8)`` is folded into the
+    query's columns.
+
+    The columns ``qs[:, ch_j]`` (``qs``: the query times the block's key scales, rounded to ``QDOT``; ``qs32`` its
+    float32 copy ``[R, D]``) are gathered from registers, or with ``LOAD`` made again from memory: the query's
+    columns (``q_rows`` ``[R]``: each row's first element, ``sq_d`` apart; ``qk_scale`` as the caller applied it;
+    rows not ``rows_ok`` read 0) times the scales of the chosen channels (``ks_blk``: the block's first, ``sks_d``
+    apart per group of ``CG`` channels), rounded as ``qs`` is: the same numbers. A gather across a warp's
+    lanes costs shuffles and selects for every column (56 warp instructions per tile in ``compact``'s loop at head_dim
+    128, more at 256); two loads that hit the cache cost fewer, where the registers they hold allow
+    (:func:`~hf_asymkv.kernels.decode.wide_query_loads`)."""
     slot = tl.arange(0, WIDE_PAD)
     used = slot < WIDE
     chosen = tl.load(kwc_base + (t0 // TG) * skwc_n + slot * skwc_r, mask=used, other=0).to(tl.int32)
-    picked = tl.gather(qs32, tl.broadcast_to(chosen[None, :], [qs32.shape[0], WIDE_PAD]), axis=1)
-    picked = tl.where(used[None, :], picked, 0.0)
+    if LOAD:
+        q = tl.load(q_rows[:, None] + chosen[None, :] * sq_d, mask=rows_ok[:, None] & used[None, :], other=0.0)
+        scale = tl.load(ks_blk + (chosen // CG) * sks_d, mask=used, other=0.0).to(QDOT)
+        picked = ((q.to(tl.float32) * qk_scale).to(QDOT) * scale[None, :]).to(tl.float32)
+    else:
+        picked = tl.gather(qs32, tl.broadcast_to(chosen[None, :], [qs32.shape[0], WIDE_PAD]), axis=1)
+        picked = tl.where(used[None, :], picked, 0.0)
     qw = (picked * _pow2(BITS - slot % 8)[None, :]).to(QDOT)
     codes = tl.load(kw_base + tok[:, None] * skw_t + (slot // 8)[None, :] * skw_p, mask=used[None, :], other=0)
     bit = (1 << (slot % 8)).to(tl.uint8)[None, :]
@@ -366,17 +381,21 @@ def _value_group(p, alpha, acc, z_t, vc_base, svc_t, vs_base, vz_base, svs_t, t0
 @triton.jit
 def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t, vs_base, vz_base, svs_t, svs_d,
                kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, mask_ptr, sm_b, sm_h, sm_q, sm_k,
-               col0, t_start, t_stop, b, heads, qpos, rows_ok, q_len, kv_len,
+               col0, t_start, t_stop, b, heads, qpos, rows_ok, q_len, kv_len, q_rows, sq_d, qk_scale,
                HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr, MASK: tl.constexpr,
                QDOT: tl.constexpr, ASM: tl.constexpr,
                K_PACKED: tl.constexpr, K_FLIP: tl.constexpr, K_W0: tl.constexpr, K_W1: tl.constexpr,
                K_PB: tl.constexpr, K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
                K_OFFSET: tl.constexpr, V_PACKED: tl.constexpr, V_FLIP: tl.constexpr, V_W0: tl.constexpr,
                V_W1: tl.constexpr, V_PB: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
-               V_OFFSET: tl.constexpr, K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_LEFT: tl.constexpr,
-               V_LEFT: tl.constexpr):
+               V_OFFSET: tl.constexpr, K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_LOAD: tl.constexpr,
+               K_LEFT: tl.constexpr, V_LEFT: tl.constexpr):
     """Online softmax over quantized tokens ``[t_start, t_stop)`` (whole tiles, ``TILE`` dividing the key scale group
     ``K_TG`` and the packing blocks): ``(acc [R, D], m [R], l [R])`` (the values' per-row constant already added).
+
+    ``q_rows`` ``[R]`` (each query row's first element in memory), ``sq_d`` and ``qk_scale`` (the factor ``q``
+    carries) let a tile make its wide key channels' query columns again from memory (``K_WIDE_LOAD``,
+    :func:`_wide_scores`).
 
     Code offsets (``K_OFFSET``, ``V_OFFSET``): what to subtract from the stored unsigned code to get the code the scale
     multiplies (128 for flipped int8 codes, ``2**(bits - 1)`` for symmetric sub-byte codes, else 0). ``K_LEFT`` and
@@ -455,9 +474,10 @@ def fast_split(q, kc_base, skc_t, ks_base, kz_base, sks_t, sks_d, vc_base, svc_t
                 scores = _key_scores(qs, sq, kc_base + t0 * skc_t, tok, ch, skc_t, ASM, QDOT, HEAD_DIM, 8, 0, 1, K_FLIP,
                                      False, K_LEFT)
         if K_WIDE > 0:
-            wide, wide_const = _wide_scores(qs.to(tl.float32), kw_base, skw_t, skw_p, kwc_base, skwc_n, skwc_r, t0,
-                                            t0 + tok, ASM, QDOT, K_TG, K_W0 + K_W1, K_WIDE, K_WIDE_PAD, K_OFFSET > 0,
-                                            K_LEFT)
+            wide, wide_const = _wide_scores(qs.to(tl.float32), q_rows, sq_d, qk_scale, rows_ok,
+                                            ks_base + (t0 // K_TG) * sks_t, sks_d, kw_base, skw_t, skw_p, kwc_base,
+                                            skwc_n, skwc_r, t0, t0 + tok, ASM, QDOT, K_TG, K_CG, K_W0 + K_W1, K_WIDE,
+                                            K_WIDE_PAD, K_OFFSET > 0, K_WIDE_LOAD, K_LEFT)
             scores += wide
             const += wide_const
         if MASK != 0:

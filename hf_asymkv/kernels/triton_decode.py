@@ -268,7 +268,7 @@ def partial_attention_kernel(
     K_TG: tl.constexpr, K_CG: tl.constexpr, K_ZERO: tl.constexpr,
     V_KIND: tl.constexpr, V_W0: tl.constexpr, V_W1: tl.constexpr, V_OFFSET: tl.constexpr, V_PB: tl.constexpr,
     V_TG: tl.constexpr, V_CG: tl.constexpr, V_ZERO: tl.constexpr,
-    K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr,
+    K_WIDE: tl.constexpr, K_WIDE_PAD: tl.constexpr, K_WIDE_BYTES: tl.constexpr, K_WIDE_LOAD: tl.constexpr,
     FAST: tl.constexpr, ASM: tl.constexpr, QDOT: tl.constexpr, K_FLIP: tl.constexpr, V_FLIP: tl.constexpr,
     ROTATED: tl.constexpr, LOG2_BLOCK: tl.constexpr, K_LEFT: tl.constexpr, V_LEFT: tl.constexpr,
 ):
@@ -310,10 +310,11 @@ def partial_attention_kernel(
                     vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h, svs_t, svs_d,
                     kw_ptr + b * skw_b + h * skw_h, skw_t, skw_p, kwc_ptr + b * skwc_b + h * skwc_h, skwc_n, skwc_r,
                     qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, stop, b, heads, qpos, rows_ok, q_len, kv_len,
+                    q_ptr + b * sq_b + heads * sq_h + qpos * sq_q, sq_d, qk_scale,
                     HEAD_DIM, R_PAD, TILE, Q_MASK, QDOT, ASM,
                     K_KIND == 3, K_FLIP, K_W0, K_W1, K_PB, K_TG, K_CG, K_ZERO, K_OFFSET,
-                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_CG, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_LEFT,
-                    V_LEFT)
+                    V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_CG, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_WIDE_LOAD,
+                    K_LEFT, V_LEFT)
             else:
                 acc, m_i, l_i = _quant_split(
                     q, kc_ptr, skc_b, skc_h, skc_t, skc_d, ks_ptr, kz_ptr, sks_b, sks_h, sks_t, sks_d,

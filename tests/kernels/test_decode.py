@@ -29,6 +29,7 @@ from hf_asymkv.kernels.decode import (
     settle_spills,
     spill_alternatives,
     two_key_blocks,
+    wide_query_loads,
 )
 from hf_asymkv.kernels.regions import ExactSegment, QuantizedRegion, StoredCodes
 
@@ -173,6 +174,34 @@ def test_other_keys_of_one_plane_set_in_two_block_tiles(name):
     assert sqnr_db(ref, out) >= FLOAT32_DB
 
 
+WIDE_KEYS = {"compact": None, "max": None,
+             "symmetric-int3": QuantSpec("int3", "channel", block_size=32, wide_fraction=0.3)}  # the codes' offset
+
+
+@pytest.mark.parametrize("heads_and_query", ["gqa4-q1", "gqa3-q5"])
+@pytest.mark.parametrize("name", list(WIDE_KEYS))
+def test_wide_channels_query_columns_loaded_or_gathered_are_the_same(monkeypatch, name, heads_and_query):
+    # _wide_scores takes the block's wide channels' query columns from memory (K_WIDE_LOAD) or gathers them across
+    # lanes: the same numbers, rounded as the keys' own product rounds them, so the same attention to the bit; padded
+    # query rows (GQA 3 x 5 tokens: 15 of 16) read nothing
+    n_rep, q_len = HEADS_AND_QUERIES[heads_and_query]
+    if WIDE_KEYS[name] is None:
+        config, block = FORMATS[name]
+        key_spec, value_spec = specs(config, 128)
+    else:
+        key_spec, value_spec, block = WIDE_KEYS[name], QuantSpec("int4", "token", 64, symmetric=False), 32
+    region, _, _, _ = build(key_spec, value_spec, block, head_dim=128, blocks=3)
+    assert region.keys.wide_bits is not None and fast_path(region, 128)
+    outs = {}
+    for load in (False, True):
+        seen = []
+        monkeypatch.setattr(decode, "wide_query_loads", lambda *args, load=load: seen.append(load) or load)
+        out, ref = _attend(key_spec, value_spec, block, blocks=3, head_dim=128, n_rep=n_rep, q_len=q_len)
+        assert seen == [load] and sqnr_db(ref, out) >= FLOAT32_DB
+        outs[load] = out
+    assert torch.equal(outs[False], outs[True])
+
+
 @pytest.mark.parametrize("tile", [48, 256, 8], ids=["not-a-power-of-two", "wider-than-the-group", "below-16"])
 def test_a_tile_that_does_not_fit_the_key_group_is_refused(tile):
     # balanced's key scale group is its 128-token block: the fast path's default tile (the generic path's is 64)
@@ -201,11 +230,19 @@ def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     # results/gpu/kernel_report.md (sm_90a): at least 16 tokens of a tile per warp, 2 warps below 128-token tiles
     # unless the keys have wide channels (or the card is older than sm_89); value codes on the left of their product,
     # key codes where each warp holds whole 16-token fragments
-    keys = dataclasses.make_dataclass("Keys", ["wide_bits", ("token_group", int, 64)])
+    keys = dataclasses.make_dataclass("Keys", ["wide_bits", ("token_group", int, 64), ("head_dim", int, 128)])
     region = dataclasses.make_dataclass("Region", ["keys"])
-    plain, wide = region(keys(None)), region(keys(torch.zeros(1)))
+    plain, wide, wide_256 = region(keys(None)), region(keys(torch.zeros(1))), region(keys(torch.zeros(1), 64, 256))
     assert [fast_warps(t, plain) for t in (128, 64, 32, 16)] == [4, 2, 2, 1]
-    assert [fast_warps(t, wide) for t in (128, 64, 32, 16)] == [4, 4, 2, 1]
+    # wide channels up to head_dim 128 take 2 warps, on sm_80 too (their query columns loaded: 223-250 registers)
+    assert [fast_warps(t, wide) for t in (128, 64, 32, 16)] == [4, 2, 2, 1]
+    assert [fast_warps(64, wide, capability) for capability in (80, 89, 90)] == [2, 2, 2]
+    assert [fast_warps(t, wide_256) for t in (128, 64, 32, 16)] == [4, 4, 2, 1]  # 254-255 registers with 2
+    assert fast_warps(64, wide, 90, 32) == 4
+    assert [wide_query_loads(wide, 4, capability) for capability in (80, 89, 90, None)] == [True] * 4
+    assert [wide_query_loads(wide_256, 4, capability) for capability in (80, 89, 90, None)] == [
+        False, False, True, True]  # compact at the register cap on sm_80 and sm_89
+    assert not wide_query_loads(wide, 32) and not wide_query_loads(plain) and not wide_query_loads(None)
     assert [fast_warps(64, plain, capability) for capability in (80, 86, 89, 90)] == [4, 4, 2, 2]  # sm_80: 255 regs
     assert [fast_warps(64, plain, 90, rows) for rows in (4, 8, 32)] == [2, 2, 4]  # 5 query tokens x GQA 4: 32 rows
     # lean's tiles of two key blocks keep 2 on sm_80 up to head_dim 128 (168 registers; 255 at head_dim 256)
