@@ -288,8 +288,8 @@ def partial_attention_kernel(
     rows = n_rep * q_len
     rows_ok = r < rows
     qpos, heads = r % q_len, h * n_rep + r // q_len
-    q_ptrs = q_ptr + b * sq_b + heads[:, None] * sq_h + qpos[:, None] * sq_q + ch[None, :] * sq_d
-    q = tl.load(q_ptrs, mask=rows_ok[:, None] & (ch[None, :] < HEAD_DIM), other=0.0).to(tl.float32) * qk_scale
+    q_rows = q_ptr + b * sq_b + heads * sq_h + qpos * sq_q  # each row's first element
+    q = tl.load(q_rows[:, None] + ch[None, :] * sq_d, mask=rows_ok[:, None] & (ch[None, :] < HEAD_DIM), other=0.0).to(tl.float32) * qk_scale
     span = tiles_per_split * TILE
     acc = tl.zeros([R_PAD, D_PAD], tl.float32)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
@@ -310,7 +310,7 @@ def partial_attention_kernel(
                     vs_ptr + b * svs_b + h * svs_h, vz_ptr + b * svs_b + h * svs_h, svs_t, svs_d,
                     kw_ptr + b * skw_b + h * skw_h, skw_t, skw_p, kwc_ptr + b * skwc_b + h * skwc_h, skwc_n, skwc_r,
                     qm_ptr, sqm_b, sqm_h, sqm_q, sqm_k, q_col, start, stop, b, heads, qpos, rows_ok, q_len, kv_len,
-                    q_ptr + b * sq_b + heads * sq_h + qpos * sq_q, sq_d, qk_scale,
+                    q_rows, sq_d, qk_scale,
                     HEAD_DIM, R_PAD, TILE, Q_MASK, QDOT, ASM,
                     K_KIND == 3, K_FLIP, K_W0, K_W1, K_PB, K_TG, K_CG, K_ZERO, K_OFFSET,
                     V_KIND == 3, V_FLIP, V_W0, V_W1, V_PB, V_CG, V_ZERO, V_OFFSET, K_WIDE, K_WIDE_PAD, K_WIDE_LOAD,
