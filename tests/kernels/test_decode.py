@@ -178,12 +178,17 @@ WIDE_KEYS = {"compact": None, "max": None,
              "symmetric-int3": QuantSpec("int3", "channel", block_size=32, wide_fraction=0.3)}  # the codes' offset
 
 
-@pytest.mark.parametrize("heads_and_query", ["gqa4-q1", "gqa3-q5"])
+WIDE_CASES = {"gqa4-q1": ("gqa4-q1", torch.float32), "gqa3-q5": ("gqa3-q5", torch.float32),
+              "gqa4-q1-bf16": ("gqa4-q1", torch.bfloat16)}  # fp16 operands: the columns rounded as qs is
+
+
+@pytest.mark.parametrize("case", list(WIDE_CASES))
 @pytest.mark.parametrize("name", list(WIDE_KEYS))
-def test_wide_channels_query_columns_loaded_or_gathered_are_the_same(monkeypatch, name, heads_and_query):
+def test_wide_channels_query_columns_loaded_or_gathered_are_the_same(monkeypatch, name, case):
     # _wide_scores takes the block's wide channels' query columns from memory (K_WIDE_LOAD) or gathers them across
     # lanes: the same numbers, rounded as the keys' own product rounds them, so the same attention to the bit; padded
     # query rows (GQA 3 x 5 tokens: 15 of 16) read nothing
+    heads_and_query, dtype = WIDE_CASES[case]
     n_rep, q_len = HEADS_AND_QUERIES[heads_and_query]
     if WIDE_KEYS[name] is None:
         config, block = FORMATS[name]
@@ -196,8 +201,8 @@ def test_wide_channels_query_columns_loaded_or_gathered_are_the_same(monkeypatch
     for load in (False, True):
         seen = []
         monkeypatch.setattr(decode, "wide_query_loads", lambda *args, load=load: seen.append(load) or load)
-        out, ref = _attend(key_spec, value_spec, block, blocks=3, head_dim=128, n_rep=n_rep, q_len=q_len)
-        assert seen == [load] and sqnr_db(ref, out) >= FLOAT32_DB
+        out, ref = _attend(key_spec, value_spec, block, blocks=3, head_dim=128, n_rep=n_rep, q_len=q_len, dtype=dtype)
+        assert seen == [load] and sqnr_db(ref, out) >= (FLOAT32_DB if dtype == torch.float32 else HALF_DB[dtype])
         outs[load] = out
     assert torch.equal(outs[False], outs[True])
 
