@@ -15,8 +15,8 @@ A reader of the ordinary codes decodes ``s * low (+ z)`` (``s * (low - 2**(bits-
 channels add ``s * (2**bits * high - offset)``, ``offset = 2**(bits-1)`` for symmetric codes and 0 otherwise
 (:func:`wide_levels`): folded into the integer codes before anything reads them (:func:`add_wide_codes`, the dense
 read-out and the CPU fused attention), or one more partial product where the codes are read straight from their
-packed bytes (:func:`wide_key_scores`, the static cache's compiled attention; the Triton kernel adds them to each
-tile's codes). Cost per element: ``R / D`` bits (``f``, rounded up to
+packed bytes (:func:`wide_key_scores`, the static cache's compiled attention; the Triton kernel's small product
+per tile, :func:`~hf_asymkv.kernels.triton_codes._wide_scores`). Cost per element: ``R / D`` bits (``f``, rounded up to
 whole bytes per token) plus ``8 R / (bs D)`` for the indices (a quarter of the channels in 64-token blocks: 0.28
 bits over int4's 4).
 
