@@ -186,8 +186,8 @@ WIDE_CASES = {"gqa4-q1": ("gqa4-q1", torch.float32), "gqa3-q5": ("gqa3-q5", torc
 @pytest.mark.parametrize("name", list(WIDE_KEYS))
 def test_wide_channels_query_columns_loaded_or_gathered_are_the_same(monkeypatch, name, case):
     # _wide_scores takes the block's wide channels' query columns from memory (K_WIDE_LOAD) or gathers them across
-    # lanes: the same numbers, rounded as the keys' own product rounds them, so the same attention to the bit; padded
-    # query rows (GQA 3 x 5 tokens: 15 of 16) read nothing
+    # lanes: the same numbers, rounded as the keys' own product rounds them, so the same attention to the bit (GQA 3 x 5
+    # tokens: 15 real rows of 16 padded ones)
     heads_and_query, dtype = WIDE_CASES[case]
     n_rep, q_len = HEADS_AND_QUERIES[heads_and_query]
     if WIDE_KEYS[name] is None:
@@ -233,8 +233,8 @@ def test_pipeline_stages_follow_the_h200_sweep():
 
 def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     # results/gpu/kernel_report.md (sm_90a): at least 16 tokens of a tile per warp, 2 warps below 128-token tiles
-    # unless the keys have wide channels (or the card is older than sm_89); value codes on the left of their product,
-    # key codes where each warp holds whole 16-token fragments
+    # unless the keys have wide channels beyond head_dim 128 (or the card is older than sm_89); value codes on the left
+    # of their product, key codes where each warp holds whole 16-token fragments
     keys = dataclasses.make_dataclass("Keys", ["wide_bits", ("token_group", int, 64), ("head_dim", int, 128)])
     region = dataclasses.make_dataclass("Region", ["keys"])
     plain, wide, wide_256 = region(keys(None)), region(keys(torch.zeros(1))), region(keys(torch.zeros(1), 64, 256))
