@@ -318,11 +318,13 @@ def wide_query_loads(region: QuantizedRegion | None, rows: int = 4, capability: 
     allow. On sm_90a (kernel_report.md; ``compact``/``max``, GQA 4, one query token) head_dim 128 at 2 warps 0.240 ->
     0.222 / 0.376 -> 0.347 warp instructions per byte, head_dim 256 at 4 warps 0.263 -> 0.234 / 0.412 -> 0.366. Not
     at head_dim 256 on cards before sm_90 (``capability``, major * 10 + minor; None: sm_90's rule), where ``compact``
-    reaches the 255-register cap, nor for more than 8 padded query ``rows``, where ``max`` spilled 16 B (GQA 4 with
-    5 query tokens, head_dim 128)."""
+    reaches the 255-register cap, nor below head_dim 128 (padded), where ptxas holds ``max`` to 128 registers and it
+    spilled 8 B (gathered: 0.560 at 2 warps, 0.657 at 4 before), nor for more than 8 padded query ``rows``, where
+    ``max`` spilled 16 B (GQA 4 with 5 query tokens, head_dim 128)."""
     if region is None or region.keys.wide_bits is None or rows > 8:
         return False
-    return region.keys.head_dim <= 128 or capability is None or capability >= 90
+    d_pad = _pow2(region.keys.head_dim)
+    return d_pad == 128 or (d_pad > 128 and (capability is None or capability >= 90))
 
 
 def pipeline_stages(tile: int) -> int:

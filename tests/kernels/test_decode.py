@@ -248,6 +248,8 @@ def test_fast_path_warps_and_operand_sides_follow_the_kernel_report():
     assert [wide_query_loads(wide_256, 4, capability) for capability in (80, 89, 90, None)] == [
         False, False, True, True]  # compact at the register cap on sm_80 and sm_89
     assert not wide_query_loads(wide, 32) and not wide_query_loads(plain) and not wide_query_loads(None)
+    wide_64 = region(keys(torch.zeros(1), 64, 64))  # ptxas holds max to 128 registers there: loading spilled 8 B
+    assert fast_warps(64, wide_64) == 2 and not any(wide_query_loads(wide_64, 4, c) for c in (80, 89, 90, None))
     assert [fast_warps(64, plain, capability) for capability in (80, 86, 89, 90)] == [4, 4, 2, 2]  # sm_80: 255 regs
     assert [fast_warps(64, plain, 90, rows) for rows in (4, 8, 32)] == [2, 2, 4]  # 5 query tokens x GQA 4: 32 rows
     # lean's tiles of two key blocks keep 2 on sm_80 up to head_dim 128 (168 registers; 255 at head_dim 256)
