@@ -289,7 +289,8 @@ def partial_attention_kernel(
     rows_ok = r < rows
     qpos, heads = r % q_len, h * n_rep + r // q_len
     q_rows = q_ptr + b * sq_b + heads * sq_h + qpos * sq_q  # each row's first element
-    q = tl.load(q_rows[:, None] + ch[None, :] * sq_d, mask=rows_ok[:, None] & (ch[None, :] < HEAD_DIM), other=0.0).to(tl.float32) * qk_scale
+    q = tl.load(q_rows[:, None] + ch[None, :] * sq_d, mask=rows_ok[:, None] & (ch[None, :] < HEAD_DIM),
+                other=0.0).to(tl.float32) * qk_scale
     span = tiles_per_split * TILE
     acc = tl.zeros([R_PAD, D_PAD], tl.float32)
     m_i = tl.full([R_PAD], float("-inf"), tl.float32)
