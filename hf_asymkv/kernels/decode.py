@@ -436,8 +436,8 @@ def two_key_blocks(region: QuantizedRegion | None, tile: int, rows: int = 4) -> 
     the tile divides or spans whole (else the fast path could not take the tile), at most 8 query ``rows`` (the
     product takes each twice; padded to a power of two or not, the same bound). Per-tile work (the query scaled per
     block, the softmax's row steps, the loop's own) then spreads over twice the bytes: ``lean`` 0.188 -> 0.144 warp
-    instructions per byte on sm_90a (kernel_report.md); with 5 query tokens x GQA 4 (32 padded rows) the doubled rows spilled (8-120 B) and issued
-    more (0.56 -> 0.97 per byte at head_dim 128), so those keep one block per tile."""
+    instructions per byte on sm_90a (kernel_report.md); with 5 query tokens x GQA 4 (32 padded rows) the doubled rows
+    spilled (8-120 B) and issued more (0.56 -> 0.97 per byte at head_dim 128), so those keep one block per tile."""
     if region is None or rows > 8 or tile != 2 * TWO_BLOCK_GROUP or region.keys.token_group != TWO_BLOCK_GROUP:
         return False
     keys, values = region.keys, region.values
