@@ -37,11 +37,14 @@ import torch
 
 from . import env_choice
 
-__all__ = ["CHOICES", "ENV_VAR", "build_problem", "read_plain", "read_rotated", "requested", "use_native"]
+__all__ = ["CHOICES", "ENV_VAR", "SOURCES", "build_problem", "native_library", "read_plain", "read_rotated", "requested",
+           "use_native"]
 
 ENV_VAR = "HF_ASYMKV_CPU_READOUT"
 CHOICES = ("auto", "native", "torch")
 SOURCE = Path(__file__).with_name("cpu_readout.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.c"))
+"""The C files of the native library: this read-out and the fused decode attention (:mod:`.cpu_attention`)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 MAX_HEAD_DIM = 4096  # the C file's per-token buffer
 _LOG = logging.getLogger(__name__)
@@ -89,12 +92,12 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    """Compile ``cpu_readout.c`` into the cache (once per source, compiler, flags and CPU); returns the library.
+    """Compile :data:`SOURCES` into the cache (once per source, compiler, flags and CPU); returns the library.
 
     Raises:
         RuntimeError: the compiler failed (its message included) or the cache directory is not writable.
     """
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
                                       _cpu_signature().encode()])).hexdigest()[:20]
@@ -109,9 +112,9 @@ def _build(compiler: str) -> Path:
         raise RuntimeError(f"cannot write the compiled read-out into {directory}: {error}") from error
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temporary, "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode:
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", temporary, "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode:  # (the compiler's message names the C file)
             raise RuntimeError(f"{compiler} failed to compile {SOURCE.name}: {done.stderr.strip()[-2000:]}")
         os.replace(temporary, target)
     finally:
@@ -138,6 +141,11 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
 def build_problem() -> str | None:
     """Why the native read-out cannot be used in this process (None when it can); builds it on first call."""
     return _library()[1]
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The native library built from :data:`SOURCES` (None when :func:`build_problem` says why not)."""
+    return _library()[0]
 
 
 @functools.lru_cache(maxsize=1)

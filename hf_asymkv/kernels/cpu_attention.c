@@ -1,0 +1,655 @@
+/* Fused decode attention over the stored codes on CPU (hf_asymkv/kernels/cpu_attention.py).
+ *
+ * One call attends the query rows of every (batch, KV head) over a layer as stored: a quantized region (key and
+ * value codes, block by block) and up to three exact parts (the sinks, the recent window, left-padded rows' exact
+ * sinks that overlay positions of the region). Nothing of the history is decoded into memory: each block's codes are
+ * unpacked into a block-sized scratch (L1/L2), scored, and mixed, then the next block overwrites it.
+ *
+ *   keys (one scale, and zero, per channel group per block):
+ *       q . k = (q * s) . c + [q . z - offset * sum(q * s) - wide_offset * sum_wide(q * s)] + 2^bits sum_wide (q * s) h
+ *       the bracket is one number per block and query row; the wide channels' high bits h are a masked sum per token;
+ *   softmax: online, per block (running max m and sum l per row, the accumulators rescaled when m grows);
+ *   values (one scale s_t and zero z_t per token and channel group):
+ *       sum_t p_t (s_t c_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t,
+ *       rotated values (V H stored) are mixed as stored and the mixed rows rotated back once, at the end;
+ *   exact parts: the same online softmax over float rows (float32, bfloat16 or float16), scale 1.
+ *
+ * The history is split across threads (OpenMP, `threads` of them): each (batch, KV head) into `splits` runs of whole
+ * blocks; each run keeps its own (m, l, accumulators) and the runs are merged at the end (the split-KV of
+ * flash-decoding). Per call the memory used is per thread one block of codes and the partial results: nothing grows
+ * with the context.
+ *
+ * The layout of the codes is hf_asymkv/core/packing.py's; its plane widths come in `planes` (packing.plane_widths),
+ * low bits first. "tokens": a block of `block_size` tokens holds, per plane set of width w, r = block_size * w / 8
+ * byte rows of D bytes whose bits [j w, (j+1) w) are token i + j r of the block. "head_dim": one token per row, plane
+ * set w spans D * w / 8 bytes whose bits [j w, (j+1) w) of byte i are channel i + j D w / 8. 8-bit codes: a byte each.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define MAX_PLANES 3
+#define MAX_HEAD_DIM 256
+#define EXACT_CHUNK 32 /* exact tokens scored at a time */
+
+enum { META_F32 = 0, META_F16 = 1, META_BF16 = 2 };  /* dtypes of scales, zeros and exact rows */
+enum { MASK_NONE = 0, MASK_BOOL = 1, MASK_F32 = 2 }; /* no mask: causal (bottom-right) for several query tokens */
+
+typedef struct {
+    const uint8_t *codes; /* [B, H, N, P] bytes (P = D * bits / 8); the rows of a (b, h) are contiguous */
+    int64_t codes_stride_b, codes_stride_h;
+    int64_t bits, tokens_layout, signed_bytes, offset; /* offset: subtracted from every code (symmetric storage) */
+    int64_t planes[MAX_PLANES], plane_count;
+    const void *scale, *zero; /* [B, H, token groups, channel groups], the last two contiguous; zero may be NULL */
+    int64_t meta_kind, meta_stride_b, meta_stride_h, channel_group;
+    const uint8_t *wide_bits; /* [B, H, N, wide_bytes] or NULL; [B, H, N / block, wide_count] channels */
+    int64_t wide_bits_stride_b, wide_bits_stride_h;
+    const uint8_t *wide_channels;
+    int64_t wide_channels_stride_b, wide_channels_stride_h;
+    int64_t wide_count, wide_bytes, wide_offset;
+} asymkv_codes;
+
+typedef struct {
+    const void *keys, *values; /* [B, H, n, D] of `dtype`; the rows of a (b, h) contiguous */
+    int64_t keys_stride_b, keys_stride_h, values_stride_b, values_stride_h;
+    int64_t dtype, tokens, column; /* token j sits at mask column `column + j` ... */
+    const int64_t *positions;      /* ... or at positions[b, j] ([B, n], overlaid sinks), where valid[b, j] */
+    const uint8_t *valid;
+} asymkv_exact;
+
+typedef struct {
+    const float *query; /* [B, H, R, D] float32 contiguous: R = n_rep * q_len rows, row r = rep * q_len + i, scaled */
+    float *out;         /* [B, H, R, D] float32 contiguous */
+    int64_t batch, heads, rows, q_len, n_rep, head_dim;
+    int64_t tokens, block_size, column; /* quantized tokens (whole blocks), tokens per block, mask column of the first */
+    asymkv_codes keys, values;
+    int64_t hadamard;                   /* values stored rotated by Hadamard blocks of this size; 0: plain */
+    asymkv_exact exact[3];
+    int64_t exact_count, overlay;       /* overlay: the exact part whose positions replace region tokens, or -1 */
+    const void *mask;                   /* [B, 1 | Hq, q, kv] at column 0 of the layer; NULL: causal */
+    int64_t mask_kind, mask_stride_b, mask_stride_h, mask_stride_q, kv_len;
+    int64_t threads, splits;
+} asymkv_attention;
+
+typedef float v8sf __attribute__((vector_size(32)));
+typedef int32_t v8si __attribute__((vector_size(32)));
+typedef int8_t v8qi __attribute__((vector_size(8)));
+typedef uint8_t v8qu __attribute__((vector_size(8)));
+
+static inline v8sf fma8(v8sf a, v8sf b, v8sf c) {
+#if defined(__FMA__)
+    return (v8sf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline v8sf splat(float x) { return (v8sf){x, x, x, x, x, x, x, x}; }
+
+static inline v8sf load8(const float *p) {
+    v8sf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8sf v) { memcpy(p, &v, sizeof v); }
+
+static inline v8sf s8_to_f(const int8_t *p) {
+    v8qi x;
+    memcpy(&x, p, sizeof x);
+    return __builtin_convertvector(x, v8sf);
+}
+
+static inline v8sf u8_to_f(const uint8_t *p) {
+    v8qu x;
+    memcpy(&x, p, sizeof x);
+    return __builtin_convertvector(x, v8sf);
+}
+
+static inline float hsum8(v8sf v) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += v[i];
+    return s;
+}
+
+static inline float hmax8(v8sf v) {
+    float s = v[0];
+    for (int i = 1; i < 8; i++) s = v[i] > s ? v[i] : s;
+    return s;
+}
+
+/* exp(x) for 8 lanes: 2^n * e^f with |f| <= ln2 / 2, a degree-6 polynomial (about 2 ulp); exactly 0 below -87.3
+ * (x = -inf among them), so masked tokens weigh nothing. */
+static inline v8sf select8(v8si which, v8sf a, v8sf b) { return (v8sf)((which & (v8si)a) | (~which & (v8si)b)); }
+
+static inline v8sf exp8(v8sf x) {
+    const v8sf lo = splat(-87.3f), hi = splat(88.3f);
+    v8si keep = x >= lo;
+    x = select8(keep, x, lo);
+    x = select8(x > hi, hi, x);
+    v8sf n = x * splat(1.44269504088896341f); /* rounded to the nearest integer: + or - 0.5, then truncated */
+    n = __builtin_convertvector(__builtin_convertvector(n + select8(n >= 0, splat(0.5f), splat(-0.5f)), v8si), v8sf);
+    v8sf f = fma8(n, splat(-0.693359375f), x);
+    f = fma8(n, splat(2.12194440e-4f), f);
+    v8sf poly = splat(1.9875691500e-4f);
+    poly = fma8(poly, f, splat(1.3981999507e-3f));
+    poly = fma8(poly, f, splat(8.3334519073e-3f));
+    poly = fma8(poly, f, splat(4.1665795894e-2f));
+    poly = fma8(poly, f, splat(1.6666665459e-1f));
+    poly = fma8(poly, f, splat(5.0000001201e-1f));
+    poly = fma8(poly, f * f, f + splat(1.0f));
+    v8si scale = (__builtin_convertvector(n, v8si) + 127) << 23;
+    return (v8sf)((v8si)(poly * (v8sf)scale) & keep);
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F)
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    else if (exponent)
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else if (!mantissa)
+        bits = sign;
+    else { /* subnormal: normalize */
+        exponent = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float load_meta(const void *base, int64_t i, int64_t kind) {
+    if (kind == META_F32)
+        return ((const float *)base)[i];
+    uint16_t h = ((const uint16_t *)base)[i];
+    if (kind == META_F16)
+        return half_to_float(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* row[0:d] of an exact part as float32 */
+static void load_row(const void *base, int64_t i, int64_t d, int64_t kind, float *restrict row) {
+    if (kind == META_F32) {
+        memcpy(row, (const float *)base + i * d, (size_t)d * sizeof(float));
+        return;
+    }
+    for (int64_t c = 0; c < d; c++) row[c] = load_meta(base, i * d + c, kind);
+}
+
+/* ---------------------------------------------------------------------------------------------------- unpacking */
+
+/* dst[e] (= or |= shifted by `shift`) bits [s, s + w) of src[e], for n bytes, as int8 codes; the byte shift is a
+ * constant in each case, so the loop stays in byte lanes. */
+#define PLANE_CASE(S)                                                                                          \
+    case S:                                                                                                     \
+        if (first)                                                                                              \
+            for (int64_t e = 0; e < n; e++) dst[e] = (int8_t)((uint8_t)(src[e] >> S) & mask);                   \
+        else                                                                                                    \
+            for (int64_t e = 0; e < n; e++) dst[e] |= (int8_t)(((uint8_t)(src[e] >> S) & mask) << shift);       \
+        break;
+
+static void decode_plane(const uint8_t *restrict src, int8_t *restrict dst, int64_t n, int s, int w, int shift,
+                         int first) {
+    uint8_t mask = (uint8_t)((1 << w) - 1);
+    switch (s) {
+        PLANE_CASE(0)
+        PLANE_CASE(1)
+        PLANE_CASE(2)
+        PLANE_CASE(3)
+        PLANE_CASE(4)
+        PLANE_CASE(5)
+        PLANE_CASE(6)
+        PLANE_CASE(7)
+    }
+}
+
+/* The sub-byte codes of `count` tokens starting at `rows` (a whole block in the "tokens" layout) as int8 codes
+ * [count, d], the storage offset removed. */
+static void unpack_codes(const asymkv_codes *c, const uint8_t *restrict rows, int64_t count, int64_t d,
+                         int8_t *restrict out) {
+    int64_t start = 0;
+    int shift = 0;
+    if (c->tokens_layout) {
+        for (int64_t k = 0; k < c->plane_count; k++) {
+            int w = (int)c->planes[k];
+            int64_t run = count * w / 8 * d; /* a plane: count * w / 8 whole token rows */
+            for (int j = 0; j < 8 / w; j++)
+                decode_plane(rows + start, out + j * run, run, j * w, w, shift, k == 0);
+            start += run;
+            shift += w;
+        }
+    } else {
+        int64_t packed = d * c->bits / 8;
+        for (int64_t t = 0; t < count; t++) {
+            start = 0;
+            shift = 0;
+            for (int64_t k = 0; k < c->plane_count; k++) {
+                int w = (int)c->planes[k];
+                int64_t size = d * w / 8;
+                for (int j = 0; j < 8 / w; j++)
+                    decode_plane(rows + t * packed + start, out + t * d + j * size, size, j * w, w, shift, k == 0);
+                start += size;
+                shift += w;
+            }
+        }
+    }
+    if (c->offset)
+        for (int64_t e = 0; e < count * d; e++) out[e] = (int8_t)(out[e] - c->offset);
+}
+
+/* Tokens [first, first + count) of (b, h): a pointer to their codes, one byte per code: the stored bytes of 8-bit
+ * codes (`*unsigned_codes` set for uint8), else unpacked into `scratch`. */
+static const int8_t *block_codes(const asymkv_codes *c, int64_t b, int64_t h, int64_t first, int64_t count, int64_t d,
+                                 int8_t *scratch, int *unsigned_codes) {
+    const uint8_t *rows = c->codes + b * c->codes_stride_b + h * c->codes_stride_h + first * (d * c->bits / 8);
+    *unsigned_codes = 0;
+    if (c->bits == 8) {
+        *unsigned_codes = !c->signed_bytes;
+        return (const int8_t *)rows;
+    }
+    unpack_codes(c, rows, count, d, scratch);
+    return scratch;
+}
+
+/* codes[0:d] as float32 */
+static inline void codes_to_float(const int8_t *restrict code, int unsigned_codes, int64_t d, float *restrict row) {
+    if (unsigned_codes)
+        for (int64_t c = 0; c < d; c += 8) store8(row + c, u8_to_f((const uint8_t *)code + c));
+    else
+        for (int64_t c = 0; c < d; c += 8) store8(row + c, s8_to_f(code + c));
+}
+
+/* ---------------------------------------------------------------------------------------------------- state */
+
+typedef struct { /* one run's online softmax: rows R, head_dim D */
+    float *m, *l;   /* [R] running max and sum */
+    float *quant;   /* [R, D] values mixed from codes (rotated values: as stored) */
+    float *exact;   /* [R, D] values mixed from exact rows */
+} run_state;
+
+typedef struct { /* per-thread scratch, sized by the block, never by the context */
+    int8_t *key_codes, *value_codes; /* [block, D] */
+    float *qs, *bias, *wide_q;       /* [R, D], [R], [R, wide slots] */
+    float *scores;                   /* [R, max(block, EXACT_CHUNK)] */
+    float *row;                      /* [D] */
+} scratch;
+
+/* The mask column `column` of query row r of (b, h) as an additive bias (0, -inf or the float mask's value). */
+static inline float mask_at(const asymkv_attention *p, int64_t b, int64_t h, int64_t r, int64_t column) {
+    int64_t i = r % p->q_len;
+    if (!p->mask)
+        return column <= p->kv_len - p->q_len + i ? 0.0f : -INFINITY;
+    int64_t head = h * p->n_rep + r / p->q_len;
+    int64_t at = b * p->mask_stride_b + head * p->mask_stride_h + i * p->mask_stride_q + column;
+    if (p->mask_kind == MASK_BOOL)
+        return ((const uint8_t *)p->mask)[at] ? 0.0f : -INFINITY;
+    return ((const float *)p->mask)[at];
+}
+
+/* Adds the mask of columns [column, column + count) to scores [R, ld]; skips the work where a row sees every column. */
+static void apply_mask(const asymkv_attention *p, int64_t b, int64_t h, int64_t column, int64_t count, float *scores,
+                       int64_t ld) {
+    for (int64_t r = 0; r < p->rows; r++) {
+        int64_t i = r % p->q_len;
+        if (!p->mask && column + count - 1 <= p->kv_len - p->q_len + i)
+            continue; /* causal: all visible */
+        if (p->mask && p->mask_kind == MASK_BOOL) {
+            int64_t head = h * p->n_rep + r / p->q_len;
+            const uint8_t *m = (const uint8_t *)p->mask + b * p->mask_stride_b + head * p->mask_stride_h +
+                               i * p->mask_stride_q + column;
+            int64_t t = 0;
+            while (t < count && m[t]) t++;
+            if (t == count)
+                continue;
+        }
+        for (int64_t t = 0; t < count; t++) scores[r * ld + t] += mask_at(p, b, h, r, column + t);
+    }
+}
+
+/* Folds scores [R, ld] of `count` tokens into the run: new maxima rescale the sums and accumulators; scores become
+ * weights exp(s - m). Returns 0 when no row sees any of these tokens (nothing to mix). */
+static int online_softmax(const asymkv_attention *p, run_state *s, float *scores, int64_t ld, int64_t count) {
+    int64_t d = p->head_dim;
+    int any = 0;
+    for (int64_t r = 0; r < p->rows; r++) {
+        float *row = scores + r * ld, top = -INFINITY;
+        for (int64_t t = 0; t < count; t++) top = row[t] > top ? row[t] : top;
+        if (top == -INFINITY) { /* nothing visible in this row: weights 0 */
+            memset(row, 0, (size_t)count * sizeof(float));
+            continue;
+        }
+        any = 1;
+        if (top > s->m[r]) {
+            float alpha = s->m[r] == -INFINITY ? 0.0f : expf(s->m[r] - top);
+            s->m[r] = top;
+            s->l[r] *= alpha;
+            v8sf a = splat(alpha);
+            for (int64_t c = 0; c < d; c += 8) {
+                store8(s->quant + r * d + c, load8(s->quant + r * d + c) * a);
+                store8(s->exact + r * d + c, load8(s->exact + r * d + c) * a);
+            }
+        }
+        v8sf m = splat(s->m[r]), total = splat(0.0f);
+        int64_t t = 0;
+        for (; t + 8 <= count; t += 8) {
+            v8sf e = exp8(load8(row + t) - m);
+            store8(row + t, e);
+            total += e;
+        }
+        float sum = hsum8(total);
+        for (; t < count; t++) {
+            row[t] = row[t] == -INFINITY ? 0.0f : expf(row[t] - s->m[r]);
+            sum += row[t];
+        }
+        s->l[r] += sum;
+    }
+    return any;
+}
+
+/* ---------------------------------------------------------------------------------------------------- blocks */
+
+/* The query folded with block `blk`'s key scales (qs = q * s) and its per-row constant (bias), and the wide
+ * channels' 2^bits (q * s) in their slots (wide_q, zero-padded to a multiple of 8). */
+static void fold_key_block(const asymkv_attention *p, const float *q, int64_t b, int64_t h, int64_t blk, scratch *w) {
+    const asymkv_codes *k = &p->keys;
+    int64_t d = p->head_dim, cg = k->channel_group, groups = d / cg;
+    int64_t meta = b * k->meta_stride_b + h * k->meta_stride_h + blk * groups;
+    float scale[MAX_HEAD_DIM], zero[MAX_HEAD_DIM];
+    for (int64_t c = 0; c < d; c++) {
+        scale[c] = load_meta(k->scale, meta + c / cg, k->meta_kind);
+        zero[c] = k->zero ? load_meta(k->zero, meta + c / cg, k->meta_kind) : 0.0f;
+    }
+    const uint8_t *channels = k->wide_bits ? k->wide_channels + b * k->wide_channels_stride_b +
+                                                 h * k->wide_channels_stride_h + blk * k->wide_count
+                                           : 0;
+    int64_t slots = (k->wide_count + 7) / 8 * 8;
+    for (int64_t r = 0; r < p->rows; r++) {
+        const float *qr = q + r * d;
+        float *qs = w->qs + r * d, dot = 0.0f, wide = 0.0f;
+        for (int64_t c = 0; c < d; c++) {
+            qs[c] = qr[c] * scale[c];
+            dot += qr[c] * zero[c];
+        }
+        float *wq = w->wide_q + r * slots;
+        for (int64_t j = 0; j < slots; j++) {
+            float x = channels && j < k->wide_count ? qs[channels[j]] : 0.0f;
+            wq[j] = x * (float)(1 << k->bits);
+            wide += x;
+        }
+        w->bias[r] = dot - (float)k->wide_offset * wide;
+    }
+}
+
+/* The wide channels' share of one token's score for row r: sum of wq over the slots whose high bit is set. */
+static inline v8sf wide_share(const uint8_t *restrict high, const float *restrict wq, int64_t slots) {
+    const v8si select = {1, 2, 4, 8, 16, 32, 64, 128};
+    v8sf acc = splat(0.0f);
+    for (int64_t j = 0; j < slots; j += 8) {
+        v8si set = (v8si){high[j / 8], high[j / 8], high[j / 8], high[j / 8], high[j / 8], high[j / 8], high[j / 8],
+                          high[j / 8]} &
+                   select;
+        acc += (v8sf)((v8si)load8(wq + j) & (set != 0));
+    }
+    return acc;
+}
+
+/* Scores [R, ld] of the `count` tokens of key block `blk` (tokens [first, first + count)). */
+static void key_block_scores(const asymkv_attention *p, const float *q, int64_t b, int64_t h, int64_t blk,
+                             int64_t first, int64_t count, scratch *w, float *scores, int64_t ld) {
+    const asymkv_codes *k = &p->keys;
+    int64_t d = p->head_dim, slots = (k->wide_count + 7) / 8 * 8;
+    int unsigned_codes;
+    fold_key_block(p, q, b, h, blk, w);
+    const int8_t *codes = block_codes(k, b, h, first, count, d, w->key_codes, &unsigned_codes);
+    const uint8_t *high = k->wide_bits ? k->wide_bits + b * k->wide_bits_stride_b + h * k->wide_bits_stride_h +
+                                             first * k->wide_bytes
+                                       : 0;
+    float *row = w->row;
+    for (int64_t t = 0; t < count; t++) {
+        codes_to_float(codes + t * d, unsigned_codes, d, row);
+        for (int64_t r = 0; r < p->rows; r++) {
+            const float *qs = w->qs + r * d;
+            v8sf acc = high ? wide_share(high + t * k->wide_bytes, w->wide_q + r * slots, slots) : splat(0.0f);
+            for (int64_t c = 0; c < d; c += 8) acc = fma8(load8(qs + c), load8(row + c), acc);
+            scores[r * ld + t] = hsum8(acc) + w->bias[r];
+        }
+    }
+}
+
+/* Value codes of tokens [first, first + count) mixed with weights [R, ld] into s->quant. */
+static void value_block_mix(const asymkv_attention *p, int64_t b, int64_t h, int64_t first, int64_t count,
+                            const float *weights, int64_t ld, scratch *w, run_state *s) {
+    const asymkv_codes *v = &p->values;
+    int64_t d = p->head_dim, cg = v->channel_group, groups = d / cg, rows = p->rows;
+    int unsigned_codes;
+    const int8_t *codes = block_codes(v, b, h, first, count, d, w->value_codes, &unsigned_codes);
+    int64_t meta = b * v->meta_stride_b + h * v->meta_stride_h + first * groups;
+    float *row = w->row;
+    for (int64_t t = 0; t < count; t++) {
+        codes_to_float(codes + t * d, unsigned_codes, d, row);
+        for (int64_t g = 0; g < groups; g++) {
+            float scale = load_meta(v->scale, meta + t * groups + g, v->meta_kind);
+            float zero = v->zero ? load_meta(v->zero, meta + t * groups + g, v->meta_kind) : 0.0f;
+            for (int64_t r = 0; r < rows; r++) {
+                float pt = weights[r * ld + t];
+                if (pt == 0.0f)
+                    continue;
+                v8sf a = splat(pt * scale), z = splat(pt * zero);
+                float *acc = s->quant + r * d + g * cg;
+                for (int64_t c = 0; c < cg; c += 8)
+                    store8(acc + c, fma8(a, load8(row + g * cg + c), load8(acc + c) + z));
+            }
+        }
+    }
+}
+
+/* -inf at the region's positions that an overlaid exact sink replaces, in scores [R, ld] of tokens [first, +count). */
+static void mask_overlaid(const asymkv_attention *p, int64_t b, int64_t first, int64_t count, float *scores,
+                          int64_t ld) {
+    const asymkv_exact *o = &p->exact[p->overlay];
+    for (int64_t j = 0; j < o->tokens; j++) {
+        int64_t t = o->positions[b * o->tokens + j] - p->column - first;
+        if (o->valid[b * o->tokens + j] && t >= 0 && t < count)
+            for (int64_t r = 0; r < p->rows; r++) scores[r * ld + t] = -INFINITY;
+    }
+}
+
+static void quantized_run(const asymkv_attention *p, const float *q, int64_t b, int64_t h, int64_t first_block,
+                          int64_t end_block, scratch *w, run_state *s) {
+    int64_t bs = p->block_size, ld = bs;
+    for (int64_t blk = first_block; blk < end_block; blk++) {
+        int64_t first = blk * bs;
+        key_block_scores(p, q, b, h, blk, first, bs, w, w->scores, ld);
+        apply_mask(p, b, h, p->column + first, bs, w->scores, ld);
+        if (p->overlay >= 0)
+            mask_overlaid(p, b, first, bs, w->scores, ld);
+        if (online_softmax(p, s, w->scores, ld, bs))
+            value_block_mix(p, b, h, first, bs, w->scores, ld, w, s);
+    }
+}
+
+static void exact_run(const asymkv_attention *p, const float *q, int64_t b, int64_t h, const asymkv_exact *e,
+                      scratch *w, run_state *s) {
+    int64_t d = p->head_dim, ld = EXACT_CHUNK;
+    const char *keys = (const char *)e->keys, *values = (const char *)e->values;
+    int64_t size = e->dtype == META_F32 ? 4 : 2;
+    keys += (b * e->keys_stride_b + h * e->keys_stride_h) * size;
+    values += (b * e->values_stride_b + h * e->values_stride_h) * size;
+    for (int64_t first = 0; first < e->tokens; first += EXACT_CHUNK) {
+        int64_t count = e->tokens - first < EXACT_CHUNK ? e->tokens - first : EXACT_CHUNK;
+        for (int64_t t = 0; t < count; t++) {
+            load_row(keys, first + t, d, e->dtype, w->row);
+            for (int64_t r = 0; r < p->rows; r++) {
+                v8sf acc = splat(0.0f);
+                for (int64_t c = 0; c < d; c += 8) acc = fma8(load8(q + r * d + c), load8(w->row + c), acc);
+                w->scores[r * ld + t] = hsum8(acc);
+            }
+        }
+        if (e->positions) { /* overlaid sinks: their own columns, invalid slots hidden */
+            for (int64_t t = 0; t < count; t++) {
+                int64_t slot = b * e->tokens + first + t, column = e->positions[slot];
+                int ok = e->valid[slot] && column >= 0 && column < p->kv_len;
+                for (int64_t r = 0; r < p->rows; r++)
+                    w->scores[r * ld + t] += ok ? mask_at(p, b, h, r, column) : -INFINITY;
+            }
+        } else {
+            apply_mask(p, b, h, e->column + first, count, w->scores, ld);
+        }
+        if (!online_softmax(p, s, w->scores, ld, count))
+            continue;
+        for (int64_t t = 0; t < count; t++) {
+            load_row(values, first + t, d, e->dtype, w->row);
+            for (int64_t r = 0; r < p->rows; r++) {
+                v8sf a = splat(w->scores[r * ld + t]);
+                for (int64_t c = 0; c < d; c += 8)
+                    store8(s->exact + r * d + c, fma8(a, load8(w->row + c), load8(s->exact + r * d + c)));
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------- merge */
+
+/* x H^T in place for one row (H: orthonormal Sylvester Hadamard blocks of hb, symmetric): butterflies, then 1/sqrt(hb). */
+static void unrotate(float *x, int64_t d, int64_t hb) {
+    for (int64_t base = 0; base < d; base += hb)
+        for (int64_t step = 1; step < hb; step <<= 1)
+            for (int64_t i = base; i < base + hb; i += 2 * step)
+                for (int64_t j = i; j < i + step; j++) {
+                    float a = x[j], c = x[j + step];
+                    x[j] = a + c;
+                    x[j + step] = a - c;
+                }
+    float norm = 1.0f / sqrtf((float)hb);
+    for (int64_t c = 0; c < d; c++) x[c] *= norm;
+}
+
+/* The runs of (b, h) merged into out rows: rescaled to their common max, summed, rotated back, divided by the sum.
+ * Rows that see no token get NaN, as a softmax over -inf scores does. */
+static void merge_runs(const asymkv_attention *p, int64_t bh, float *partials, int64_t stride) {
+    int64_t d = p->head_dim, rows = p->rows, splits = p->splits;
+    float mixed[MAX_HEAD_DIM];
+    for (int64_t r = 0; r < rows; r++) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t k = 0; k < splits; k++) {
+            float m = partials[(bh * splits + k) * stride + r];
+            top = m > top ? m : top;
+        }
+        float *out = p->out + (bh * rows + r) * d;
+        memset(out, 0, (size_t)d * sizeof(float));
+        memset(mixed, 0, sizeof mixed);
+        for (int64_t k = 0; k < splits; k++) {
+            float *part = partials + (bh * splits + k) * stride, m = part[r];
+            if (m == -INFINITY)
+                continue;
+            float alpha = expf(m - top);
+            total += alpha * part[rows + r];
+            const float *quant = part + 2 * rows + r * d, *exact = part + 2 * rows + rows * d + r * d;
+            for (int64_t c = 0; c < d; c++) {
+                mixed[c] += alpha * quant[c];
+                out[c] += alpha * exact[c];
+            }
+        }
+        if (p->hadamard)
+            unrotate(mixed, d, p->hadamard);
+        float inv = total > 0.0f ? 1.0f / total : NAN;
+        for (int64_t c = 0; c < d; c++) out[c] = (out[c] + mixed[c]) * inv;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------- entry */
+
+static int scratch_alloc(const asymkv_attention *p, scratch *w) {
+    int64_t d = p->head_dim, bs = p->block_size, rows = p->rows, slots = (p->keys.wide_count + 7) / 8 * 8 + 8;
+    int64_t ld = bs > EXACT_CHUNK ? bs : EXACT_CHUNK;
+    w->key_codes = malloc((size_t)(bs * d + 64));
+    w->value_codes = malloc((size_t)(bs * d + 64));
+    w->qs = malloc((size_t)(rows * d) * sizeof(float));
+    w->bias = malloc((size_t)rows * sizeof(float));
+    w->wide_q = malloc((size_t)(rows * slots) * sizeof(float));
+    w->scores = malloc((size_t)(rows * ld) * sizeof(float));
+    w->row = malloc((size_t)d * sizeof(float));
+    return w->key_codes && w->value_codes && w->qs && w->bias && w->wide_q && w->scores && w->row;
+}
+
+static void scratch_free(scratch *w) {
+    free(w->key_codes);
+    free(w->value_codes);
+    free(w->qs);
+    free(w->bias);
+    free(w->wide_q);
+    free(w->scores);
+    free(w->row);
+}
+
+static int arguments_bad(const asymkv_attention *p) {
+    int64_t d = p->head_dim;
+    if (d < 8 || d > MAX_HEAD_DIM || d % 8 || p->rows < 1 || p->q_len < 1 || p->rows % p->q_len || p->splits < 1 ||
+        p->exact_count < 0 || p->exact_count > 3 || p->overlay >= p->exact_count)
+        return 1;
+    if (p->tokens && (p->block_size < 1 || p->tokens % p->block_size || p->keys.channel_group < 1 ||
+                      d % p->keys.channel_group || p->values.channel_group % 8 || d % p->values.channel_group ||
+                      (p->hadamard && (p->hadamard & (p->hadamard - 1) || d % p->hadamard)) ||
+                      p->keys.wide_count > MAX_HEAD_DIM))
+        return 1;
+    return 0;
+}
+
+/* Returns 0, 1 for arguments this file cannot serve (the caller checks them first; a last guard), 2 when out of
+ * memory. */
+int asymkv_attention_run(const asymkv_attention *p) {
+    if (arguments_bad(p))
+        return 1;
+    int64_t d = p->head_dim, rows = p->rows, units = p->batch * p->heads * p->splits;
+    int64_t blocks = p->tokens / (p->block_size > 0 ? p->block_size : 1);
+    int64_t stride = 2 * rows + 2 * rows * d; /* a run: m [R], l [R], quant [R, D], exact [R, D] */
+    float *partials = malloc((size_t)(units * stride) * sizeof(float));
+    if (!partials)
+        return 2;
+    int threads = (int)p->threads;
+    if (threads < 1 || units == 1)
+        threads = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
+    {
+        scratch w;
+        int ok = scratch_alloc(p, &w);
+        if (!ok)
+            failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) {
+            if (!ok)
+                continue;
+            int64_t bh = u / p->splits, split = u % p->splits, b = bh / p->heads, h = bh % p->heads;
+            float *part = partials + u * stride;
+            run_state s = {part, part + rows, part + 2 * rows, part + 2 * rows + rows * d};
+            for (int64_t r = 0; r < rows; r++) {
+                s.m[r] = -INFINITY;
+                s.l[r] = 0.0f;
+            }
+            memset(s.quant, 0, (size_t)(2 * rows * d) * sizeof(float));
+            const float *q = p->query + bh * rows * d;
+            int64_t first = blocks * split / p->splits, end = blocks * (split + 1) / p->splits;
+            quantized_run(p, q, b, h, first, end, &w, &s);
+            if (split == p->splits - 1)
+                for (int64_t e = 0; e < p->exact_count; e++) exact_run(p, q, b, h, &p->exact[e], &w, &s);
+        }
+        scratch_free(&w);
+    }
+    if (!failed)
+        for (int64_t bh = 0; bh < p->batch * p->heads; bh++) merge_runs(p, bh, partials, stride);
+    free(partials);
+    return failed ? 2 : 0;
+}
