@@ -189,6 +189,37 @@ class AsymKVCache(Cache):
         return self._max_cache_len
 
     @property
+    def model_config(self) -> PreTrainedConfig:
+        """The model config the cache was built for (``config`` as given)."""
+        return self._attn_configs[0]
+
+    def save(self, path: str | os.PathLike, *, input_ids: torch.Tensor | None = None,
+             metadata: dict[str, str] | None = None):
+        """Save the cache to one safetensors file (atomically), settled first: a prompt cache to load later.
+        See :func:`hf_asymkv.core.prompt_cache.save_prompt_cache` (``input_ids``: the ids the cache holds, whose hash a
+        load checks; ``metadata``: strings of your own). Returns the path."""
+        from .prompt_cache import save_prompt_cache
+
+        return save_prompt_cache(self, path, input_ids=input_ids, metadata=metadata)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, config: PreTrainedConfig, *, input_ids: torch.Tensor | None = None,
+             cache_config: AsymKVConfig | None = None, device: str | torch.device = "cpu") -> AsymKVCache:
+        """A cache saved with :meth:`save`, read back for the model of ``config``: it continues exactly as the saved one.
+        Refuses (``ValueError``) another model's file, another format version, an altered file, settings other than
+        ``cache_config`` and ``input_ids`` that do not continue the saved ids. See
+        :func:`hf_asymkv.core.prompt_cache.load_prompt_cache`.
+
+        Example::
+
+            cache = AsymKVCache.load("doc.safetensors", model.config, input_ids=ids)   # ids: the prompt + a question
+            out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=64)
+        """
+        from .prompt_cache import load_prompt_cache
+
+        return load_prompt_cache(path, config, input_ids=input_ids, cache_config=cache_config, device=device)
+
+    @property
     def fused_attention(self) -> bool:
         """Whether the model currently runs ``attn_implementation="asymkv_sdpa"`` (layers then hand attention
         their codes as :class:`~hf_asymkv.core.kv_view.QuantizedKV`; every other attention gets dense K/V)."""
