@@ -23,7 +23,6 @@ nothing else from the package.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import env_choice
+from .once import computed_once
 
 __all__ = ["CHOICES", "ENV_VAR", "SOURCES", "build_problem", "native_library", "read_plain", "read_rotated", "requested",
            "use_native"]
@@ -123,9 +123,10 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.lru_cache(maxsize=1)
+@computed_once  # process-wide, guarded: one thread builds and loads, the others wait (hf_asymkv.kernels.once)
 def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """``(library, None)``, or ``(None, why not)``: built and loaded once per process."""
+    """``(library, None)``, or ``(None, why not)``: built and loaded once per process (processes building at once
+    each write a temporary file and rename it into place: :func:`_build`)."""
     compiler = _compiler()
     if compiler is None:
         return None, "no C compiler found (set $CC, or install gcc)"
@@ -148,7 +149,7 @@ def native_library() -> ctypes.CDLL | None:
     return _library()[0]
 
 
-@functools.lru_cache(maxsize=1)
+@computed_once  # process-wide, guarded: said once, whichever thread meets the problem first
 def _warn_once(problem: str) -> None:
     _LOG.warning("hf_asymkv: the native CPU read-out is unavailable (%s); the torch read-out runs instead. Set "
                  "%s=torch to silence this.", problem, ENV_VAR)
