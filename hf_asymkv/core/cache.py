@@ -205,19 +205,22 @@ class AsymKVCache(Cache):
     @classmethod
     def load(cls, path: str | os.PathLike, config: PreTrainedConfig, *, input_ids: torch.Tensor | None = None,
              cache_config: AsymKVConfig | None = None, device: str | torch.device = "cpu") -> AsymKVCache:
-        """A cache saved with :meth:`save`, read back for the model of ``config``: it continues exactly as the saved one.
-        Refuses (``ValueError``) another model's file, another format version, an altered file, settings other than
-        ``cache_config`` and ``input_ids`` that do not continue the saved ids. See
-        :func:`hf_asymkv.core.prompt_cache.load_prompt_cache`.
+        """A cache saved with :meth:`save`, read back for the model of ``config`` onto ``device``: it continues exactly
+        as the saved one. Refuses (``ValueError`` naming the file and the problem) another model's file, another format
+        version, an altered file, settings other than ``cache_config``, and ``input_ids`` (the saved prompt and what
+        follows) whose first tokens are not the saved ones. See :mod:`hf_asymkv.core.prompt_cache`.
 
         Example::
 
             cache = AsymKVCache.load("doc.safetensors", model.config, input_ids=ids)   # ids: the prompt + a question
             out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=64)
         """
-        from .prompt_cache import load_prompt_cache
+        from .prompt_cache import open_prompt_cache
 
-        return load_prompt_cache(path, config, input_ids=input_ids, cache_config=cache_config, device=device)
+        with open_prompt_cache(path, config, input_ids=input_ids, cache_config=cache_config, device=device) as saved:
+            cache = cls(config, saved.cache_config, key_absmax=saved.key_absmax, max_cache_len=saved.max_cache_len)
+            saved.restore(cache)
+        return cache
 
     @property
     def fused_attention(self) -> bool:

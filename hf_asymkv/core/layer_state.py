@@ -8,8 +8,9 @@ Three kinds of layer:
   buffer (``sinks``, ``codes``, ``scales``, ``zeros``, ``wide_bits``, ``wide_channels``, ``window``) with the capacity it
   had, the left-padded rows' sink overlay (``anchors``, ``overlay``), and the layer's counters (length, pending tokens,
   deferral flags, statistics);
-- ``static`` (:class:`~hf_asymkv.core.static.StaticAsymKVLayer`): the filled block slots, the whole sink and window
-  buffers, the overlay, the filled length, the block count and the device counters;
+- ``static`` (:class:`~hf_asymkv.core.static.StaticAsymKVLayer`): the rows of its preallocated buffers that hold
+  tokens (filled block slots, sinks, window), the overlay where a row is padded, the filled length, the block count
+  and the device counters;
 - ``transformers``: the layers the cache keeps as transformers builds them (sliding windows, layer types it does not
   know, KV-less ``DummyLayer``): their ``keys``/``values`` and length attributes, written back into the layer the
   cache builds for the same model.
@@ -255,12 +256,15 @@ def _static_parts(store) -> dict[str, torch.Tensor | None]:
             "anchors": store.overlay.anchors, "overlay": store.overlay.tokens}
 
 
-def _static_rows(store, blocks: int) -> dict[str, int]:
-    """Rows of the block parts that ``blocks`` filled slots occupy (slot ``j`` holds block ``j``); the other parts are
-    saved whole (sinks, window and overlay are a few tokens each)."""
+def _static_rows(store, blocks: int, length: int) -> dict[str, int]:
+    """Rows of each part that hold tokens when ``blocks`` slots are filled (slot ``j`` holds block ``j``) and ``length``
+    tokens are held: what the file keeps (``memory_footprint()["used"]``). The rest is filler that the attention mask
+    hides (zeros in a fresh allocation), or an overlay no padded row uses."""
     rows = blocks * store.spec.block_size
     per_scale = rows // store.spec.groups(store.head_dim)[0]
-    return {"codes": rows, "scales": per_scale, "zeros": per_scale, "wide_bits": rows, "wide_channels": blocks}
+    window = max(0, length - store.sink_count - rows)
+    return {"sinks": min(length, store.sink_count), "codes": rows, "scales": per_scale, "zeros": per_scale,
+            "wide_bits": rows, "wide_channels": blocks, "window": window}
 
 
 def _static_state(layer: StaticAsymKVLayer, prefix: str) -> tuple[dict, dict]:
@@ -270,14 +274,19 @@ def _static_state(layer: StaticAsymKVLayer, prefix: str) -> tuple[dict, dict]:
     record = {"kind": "static", "initialized": bool(layer.is_initialized), "key_absmax": layer.key_absmax is not None}
     if not layer.is_initialized:
         return record, tensors
-    blocks = int(layer.blocks_stored)
-    record.update(dtype=dtype_name(layer.dtype), length=int(layer.length), blocks_stored=blocks,
-                  counts=[int(n) for n in layer.counts.tolist()], record_past=layer.record_past)
+    length, blocks = int(layer.get_seq_length()), int(layer.blocks_stored)
+    record.update(dtype=dtype_name(layer.dtype), length=length, blocks_stored=blocks,
+                  counts=[int(n) for n in layer.counts.tolist()], record_past=layer.record_past, padded={})
     for kind, store in zip(KINDS, layer.stores):
-        rows = _static_rows(store, blocks)
-        for name, t in _static_parts(store).items():
+        for name, rows in _static_rows(store, blocks, length).items():
+            t = _static_parts(store)[name]
             if t is not None:
-                tensors[f"{prefix}.{kind}.{name}"] = t[:, :, : rows[name]] if name in rows else t
+                tensors[f"{prefix}.{kind}.{name}"] = t[:, :, :rows]
+        padded = store.overlay.anchors is not None and bool(store.overlay.anchors.any())
+        record["padded"][kind] = padded
+        if padded:
+            tensors[f"{prefix}.{kind}.anchors"] = store.overlay.anchors
+            tensors[f"{prefix}.{kind}.overlay"] = store.overlay.tokens
     return record, tensors
 
 
@@ -291,18 +300,22 @@ def _restore_static(layer: StaticAsymKVLayer, record: dict, prefix: str, source:
                                                 f"the {length} tokens held")
     _require(length - boundary <= layer.window_tokens, f"{length - boundary} tokens after the last block, the window "
                                                        f"holds {layer.window_tokens}")
-    counts = record.get("counts")
+    counts, padded = record.get("counts"), record.get("padded")
     _require(isinstance(counts, list) and len(counts) == len(STATIC_COUNTERS)
              and all(type(n) is int and n >= 0 for n in counts),
              f"record field 'counts' must be {len(STATIC_COUNTERS)} ints >= 0 ({list(STATIC_COUNTERS)}), got {counts!r}")
+    _require(isinstance(padded, dict) and set(padded) == set(KINDS), f"record 'padded' must name {list(KINDS)}")
     for kind, store in zip(KINDS, layer.stores):
-        rows = _static_rows(store, blocks)
-        for name, buf in _static_parts(store).items():
-            if buf is None:
-                continue
-            target = buf[:, :, : rows[name]] if name in rows else buf
-            target.copy_(source.read(f"{prefix}.{kind}.{name}", tuple(target.shape), buf.dtype))  # in place: the
-            # buffers keep their addresses (marked static for compiled graphs)
+        parts = [(name, rows) for name, rows in _static_rows(store, blocks, length).items()]
+        if _flag(padded, kind):
+            _require(store.sink_count > 0, f"{prefix}.{kind}: a padded rows' overlay without sink tokens")
+            parts += [("anchors", None), ("overlay", None)]
+        for name, rows in parts:
+            buf = _static_parts(store)[name]
+            if buf is not None:
+                target = buf if rows is None else buf[:, :, :rows]
+                # in place: the buffers keep their addresses (marked static for compiled graphs)
+                target.copy_(source.read(f"{prefix}.{kind}.{name}", tuple(target.shape), buf.dtype))
     layer.length.fill_(length)
     layer.blocks_stored.fill_(blocks)
     layer.counts.copy_(torch.tensor(counts, dtype=layer.counts.dtype))

@@ -2,9 +2,10 @@
 
 Prefill a long document once, save the cache, and answer questions about it later from the file: loading reads the
 tensors back into the layers, nothing is recomputed, and the loaded cache continues exactly as the saved one would
-(the same tokens under ``generate``, the same ``memory_footprint()``). ``cache.save(path)`` and
-``AsymKVCache.load(path, model.config)`` call the two functions here (mlx-lm's ``save_prompt_cache`` /
-``load_prompt_cache`` are the model).
+(the same tokens under ``generate``, the same ``memory_footprint()``). ``cache.save(path)`` calls
+:func:`save_prompt_cache`; ``AsymKVCache.load(path, model.config)`` opens the file with :func:`open_prompt_cache`, builds
+the cache its metadata describes and restores it (mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` in
+``mlx_lm/models/cache.py`` are the model; this module does not import the cache's, which imports it).
 
 **What the file holds.** Each layer as it is stored (:mod:`~hf_asymkv.core.layer_state`): codes, scales, zeros, wide
 bits and channels, exact sinks and window, left-padded rows' sink overlays and pending tokens, as live rows (the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,21 +44,20 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..version import __version__
-from .cache import AsymKVCache
 from .config import AsymKVConfig
 from .fileio import atomic_write
 from .layer_state import layer_state, restore_layer
 from .scales import config_fingerprint, save_file
 from .shapes import layer_shapes
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS", "load_prompt_cache", "read_prompt_cache_metadata",
-           "save_prompt_cache", "token_ids_hash"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "SUPPORTED_FORMAT_VERSIONS", "PromptCacheFile", "open_prompt_cache",
+           "read_prompt_cache_metadata", "save_prompt_cache", "token_ids_hash"]
 
 FORMAT = "hf_asymkv.prompt_cache"
 """``format`` metadata of a prompt-cache file."""
 FORMAT_VERSION = "1"
 SUPPORTED_FORMAT_VERSIONS = ("1",)
-"""``format_version`` values :func:`load_prompt_cache` reads."""
+"""``format_version`` values :func:`open_prompt_cache` reads."""
 _REQUIRED = ("format", "format_version", "hf_asymkv_version", "cache_config", "fingerprint", "max_cache_len",
              "batch_size", "tokens", "token_ids_sha256", "layers", "user")
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
@@ -85,7 +86,7 @@ def _describe(x) -> str:
     return f"a {x.dim()}-d {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def _held_tokens(cache: AsymKVCache) -> int:
+def _held_tokens(cache) -> int:
     return max((int(layer.get_seq_length()) for layer in cache.layers
                 if getattr(layer, "is_initialized", False) and hasattr(layer, "get_seq_length")), default=0)
 
@@ -97,14 +98,20 @@ def _batch_size(tensors: dict[str, torch.Tensor]) -> int:
     return sizes.pop() if sizes else 0
 
 
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor that owns its storage: safetensors writes contiguous tensors and refuses shared storage."""
-    t = t.detach()
-    whole = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
-    return t if whole else t.clone(memory_format=torch.contiguous_format)
+def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor as one that owns its storage, alone: safetensors writes contiguous tensors and refuses shared storage
+    (a live view into a buffer with capacity; the anchors a layer's two stores share)."""
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        t = t.detach()
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.nbytes
+        out[name] = t if whole and storage.data_ptr() not in seen else t.clone(memory_format=torch.contiguous_format)
+        seen.add(storage.data_ptr())
+    return out
 
 
-def _compact_transformers_layers(cache: AsymKVCache) -> None:
+def _compact_transformers_layers(cache) -> None:
     """A transformers sliding-window layer keeps its window as a view into the last update's K/V (a whole prefill after
     one): give it a copy of its own, so that memory holds what the file holds (the same values)."""
     for layer in cache.layers:
@@ -114,12 +121,12 @@ def _compact_transformers_layers(cache: AsymKVCache) -> None:
                 setattr(layer, name, t.clone(memory_format=torch.contiguous_format))
 
 
-def save_prompt_cache(cache: AsymKVCache, path: str | Path, *, input_ids: torch.Tensor | None = None,
+def save_prompt_cache(cache, path: str | Path, *, input_ids: torch.Tensor | None = None,
                       metadata: dict[str, str] | None = None) -> Path:
     """Write ``cache`` to ``path`` (one safetensors file, atomically) after settling it (see the module docstring).
 
     Args:
-        cache: the cache to save (any batch size, dynamic or static).
+        cache: the :class:`~hf_asymkv.AsymKVCache` to save (any batch size, dynamic or static).
         input_ids: the ids the cache holds, ``[batch, tokens]``: their hash is recorded, and a load given the ids it
             continues checks them against it. Optional; without it a load cannot check them.
         metadata: strings of your own (model id, source document), returned by :func:`read_prompt_cache_metadata`.
@@ -132,7 +139,7 @@ def save_prompt_cache(cache: AsymKVCache, path: str | Path, *, input_ids: torch.
             state the format does not carry (recurrent states of linear-attention layers).
         OSError: ``path`` cannot be written (the message names it); nothing is left there.
     """
-    if not isinstance(cache, AsymKVCache):
+    if not hasattr(cache, "cache_config"):
         raise ValueError(f"save_prompt_cache saves an AsymKVCache, got {type(cache).__name__}")
     user = dict(metadata or {})
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in user.items()):
@@ -160,7 +167,7 @@ def save_prompt_cache(cache: AsymKVCache, path: str | Path, *, input_ids: torch.
             "fingerprint": json.dumps(config_fingerprint(cache.model_config), sort_keys=True),
             "max_cache_len": str(cache.max_cache_len or ""), "batch_size": str(batch), "tokens": str(tokens),
             "token_ids_sha256": digest, "layers": json.dumps(records), "user": json.dumps(user)}
-    owned = {name: _own(t) for name, t in tensors.items()}
+    owned = _owned(tensors)
     return atomic_write(path, lambda tmp: save_file(owned, tmp, metadata=meta))
 
 
@@ -300,9 +307,55 @@ def _check_token_ids(meta: dict, input_ids: torch.Tensor | None) -> None:
                          "tokens differs from the file's (another document, prompt or tokenizer?)")
 
 
-def load_prompt_cache(path: str | Path, config, *, input_ids: torch.Tensor | None = None,
-                      cache_config: AsymKVConfig | None = None, device: str | torch.device = "cpu") -> AsymKVCache:
-    """The cache saved in ``path``, for the model of ``config``, on ``device``: it continues as the saved one would.
+class PromptCacheFile:
+    """An open prompt-cache file whose metadata :func:`open_prompt_cache` has checked: what a cache for it is built
+    with (``cache_config``, ``max_cache_len``, ``key_absmax``), and :meth:`restore` to fill that cache.
+
+    Attributes:
+        cache_config: the saved :class:`~hf_asymkv.AsymKVConfig` (resolved for the model).
+        max_cache_len: the static cache's length, or None (dynamic).
+        key_absmax: ``{layer: Tensor[kv_heads, head_dim]}`` calibrated key ranges the saved layers scaled blocks by.
+        metadata: the parsed metadata (see :func:`read_prompt_cache_metadata`).
+    """
+
+    def __init__(self, handle, meta: dict, config, device: torch.device):
+        self.metadata, self.device = meta, device
+        self.cache_config = AsymKVConfig.from_dict(meta["cache_config"], where="metadata 'cache_config'")
+        self.max_cache_len = meta["max_cache_len"]
+        self.tensors, self.shapes = _FileTensors(handle, device), layer_shapes(config)
+        records = meta["layers"]
+        if len(records) > len(self.shapes):
+            raise ValueError(f"the file holds {len(records)} layers, the model {len(self.shapes)}")
+        self.key_absmax = {i: self.tensors.read(f"layers.{i}.key_absmax", (self.shapes[i].kv_heads,
+                                                                          self.shapes[i].head_dim), torch.float32)
+                           for i, record in enumerate(records) if record.get("key_absmax") is True} or None
+
+    def restore(self, cache) -> None:
+        """Write every saved layer into ``cache``, an :class:`~hf_asymkv.AsymKVCache` just built for this model with
+        :attr:`cache_config`, :attr:`max_cache_len` and :attr:`key_absmax`; ``ValueError`` where the file does not fit
+        it."""
+        records, meta = self.metadata["layers"], self.metadata
+        if len(records) != len(cache.layers):
+            raise ValueError(f"the file holds {len(records)} layers, the model's cache {len(cache.layers)}")
+        for i, (layer, record) in enumerate(zip(cache.layers, records)):
+            try:
+                restore_layer(layer, record, f"layers.{i}", self.tensors, self.shapes[i], meta["batch_size"],
+                              self.device)
+            except ValueError as exc:
+                raise ValueError(f"layer {i}: {exc}") from None
+        self.tensors.check_all_read()
+        held = _held_tokens(cache)
+        if held != meta["tokens"]:
+            raise ValueError(f"the layers hold {held} tokens, the metadata says {meta['tokens']}")
+        cache.reuse_watch.rewound(held)  # a loaded prefix is continued on purpose: not a new prompt on a used cache
+
+
+@contextmanager
+def open_prompt_cache(path: str | Path, config, *, input_ids: torch.Tensor | None = None,
+                      cache_config: AsymKVConfig | None = None, device: str | torch.device = "cpu"
+                      ) -> Iterator[PromptCacheFile]:
+    """Open ``path`` for the model of ``config`` and check everything its metadata decides (what
+    :meth:`AsymKVCache.load <hf_asymkv.AsymKVCache.load>` builds and restores a cache from).
 
     Args:
         path: a file written by :func:`save_prompt_cache` (``cache.save``).
@@ -314,38 +367,17 @@ def load_prompt_cache(path: str | Path, config, *, input_ids: torch.Tensor | Non
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file is refused (see the module docstring; the message names the file and the problem).
+        ValueError: the file is refused, here or inside the ``with`` block (see the module docstring); the message
+            names the file and the problem.
     """
     path, device = Path(path), torch.device(device)
-    with _open(path, device) as f:
+    with _open(path, device) as handle:
         try:
-            return _load(f, config, input_ids, cache_config, device)
+            meta = _checked_metadata(handle.metadata())
+            _check_model(meta["fingerprint"], config)
+            opened = PromptCacheFile(handle, meta, config, device)
+            _check_settings(opened.cache_config, cache_config)
+            _check_token_ids(meta, input_ids)
+            yield opened
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
-
-
-def _load(handle, config, input_ids, cache_config, device: torch.device) -> AsymKVCache:
-    meta = _checked_metadata(handle.metadata())
-    _check_model(meta["fingerprint"], config)
-    saved = AsymKVConfig.from_dict(meta["cache_config"], where="metadata 'cache_config'")
-    _check_settings(saved, cache_config)
-    _check_token_ids(meta, input_ids)
-    records, tensors, shapes = meta["layers"], _FileTensors(handle, device), layer_shapes(config)
-    if len(records) > len(shapes):
-        raise ValueError(f"the file holds {len(records)} layers, the model {len(shapes)}")
-    key_absmax = {i: tensors.read(f"layers.{i}.key_absmax", (shapes[i].kv_heads, shapes[i].head_dim), torch.float32)
-                  for i, record in enumerate(records) if record.get("key_absmax") is True}
-    cache = AsymKVCache(config, saved, key_absmax=key_absmax or None, max_cache_len=meta["max_cache_len"])
-    if len(records) != len(cache.layers):
-        raise ValueError(f"the file holds {len(records)} layers, the model's cache {len(cache.layers)}")
-    for i, (layer, record) in enumerate(zip(cache.layers, records)):
-        try:
-            restore_layer(layer, record, f"layers.{i}", tensors, shapes[i], meta["batch_size"], device)
-        except ValueError as exc:
-            raise ValueError(f"layer {i}: {exc}") from None
-    tensors.check_all_read()
-    held = _held_tokens(cache)
-    if held != meta["tokens"]:
-        raise ValueError(f"the layers hold {held} tokens, the metadata says {meta['tokens']}")
-    cache.reuse_watch.rewound(held)  # a loaded prefix is continued on purpose: not a new prompt on a used cache
-    return cache
