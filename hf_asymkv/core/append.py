@@ -101,13 +101,14 @@ def store_dynamic(blocks, x: torch.Tensor, scale: torch.Tensor | None) -> None:
     if fmt.wide:
         wide_bits = rows(blocks.wide_bits, m, -(-fmt.wide // 8), torch.uint8, bs, step)
         wide_channels = rows(blocks.wide_channels, m // bs, fmt.wide, torch.uint8, 1, max(1, step // bs))
-    counts = blocks.device_counts
-    if counts is None:
-        counts = blocks.device_counts = torch.zeros(len(COUNTERS), dtype=torch.long, device=x.device)
+    # counted into fresh zeros and added by assignment: an interrupted flush leaves the store's counters as they were
+    # (hf_asymkv.core.rollback); a small add per flush, not per step
+    counts = torch.zeros(len(COUNTERS), dtype=torch.long, device=x.device)
     from ..kernels.append import launch_append
 
     launch_append(x, fmt, codes=codes, scales=scales, zeros=zeros, counts=counts, wide_bits=wide_bits,
                   wide_channels=wide_channels, calibrated=scale)
+    blocks.device_counts = counts if blocks.device_counts is None else blocks.device_counts + counts
 
 
 def store_slots(store, x: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor | None

@@ -24,6 +24,7 @@ from .hooks import caller_hooked
 from .layer import AsymKVLayer
 from .nbytes import reachable_tensors, tensor_nbytes
 from .reuse import ReuseWatch
+from .rollback import Snapshot, restores_layers_on_error
 from .scales import KVScales
 from .shapes import SLIDING_LAYER_TYPES, LayerShape, kv_layer_indices, layer_shapes, layer_types
 from .static import StaticAsymKVLayer
@@ -230,7 +231,21 @@ class AsymKVCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' ``Cache.update``, with the read-out form (dense or codes) decided for this call; a new
-        prompt on a cache that already answered one is warned about once (:mod:`~hf_asymkv.core.reuse`)."""
+        prompt on a cache that already answered one is warned about once (:mod:`~hf_asymkv.core.reuse`). An exception
+        inside leaves the cache's bookkeeping and the layer as they were (:mod:`~hf_asymkv.core.rollback`; our layers
+        see to their own state)."""
+        if torch.compiler.is_compiling():  # a graph's step runs whole or not at all, as far as Python state goes
+            return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        own = [] if layer is None or isinstance(layer, QUANTIZED_LAYERS) else [layer]  # transformers' layer
+        saved = Snapshot([self, self.reuse_watch, *own])
+        try:
+            return self._update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            saved.restore()
+            raise
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.held_layer is not None and self.held_layer != layer_idx:
             self.layers[self.held_layer].settle()  # its update has had its turn (e.g. a press hook) before this one
             self.held_layer = None
@@ -259,11 +274,29 @@ class AsymKVCache(Cache):
                 layer.settle()
         self.held_layer = None
 
+    @restores_layers_on_error()
     def crop(self, max_length: int) -> None:
-        """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache."""
+        """transformers' ``Cache.crop``; a rollback someone asked for is not a new prompt on a used cache. Every layer
+        or none: an exception leaves them all as they were (:mod:`~hf_asymkv.core.rollback`)."""
         super().crop(max_length)
         if self.reuse_watch.layer_idx is not None:
             self.reuse_watch.rewound(int(self.layers[self.reuse_watch.layer_idx].get_seq_length()))
+
+    @restores_layers_on_error(writes_in_place=True)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """transformers' ``Cache.reorder_cache`` (beam search), every layer or none: an exception restores the dynamic
+        layers and marks static ones interrupted (their rows move in place; :mod:`~hf_asymkv.core.rollback`)."""
+        super().reorder_cache(beam_idx)
+
+    @restores_layers_on_error()
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """transformers' ``Cache.batch_repeat_interleave``, every layer or none."""
+        super().batch_repeat_interleave(repeats)
+
+    @restores_layers_on_error()
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """transformers' ``Cache.batch_select_indices``, every layer or none."""
+        super().batch_select_indices(indices)
 
     def reset(self) -> None:
         """Empty every layer, keeping the layer objects (transformers' sliding-window layers too, on every release:

@@ -54,6 +54,7 @@ from .config import LayerConfig
 from .kv_assign import DECODING_PRESSES_NOTE, DenseKVAttributes
 from .kv_view import QuantizedKV
 from .quant import scale_from_absmax
+from .rollback import restores_on_error
 from .sinks import row_starts
 from .store import TensorStore
 
@@ -102,6 +103,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self._stats: Counter = Counter()
         self._clear()
 
+    @restores_on_error
     def reconfigure(self, config: LayerConfig) -> None:
         """Switch to ``config`` before anything is quantized: e.g. protection chosen from the prefill, which
         ``keep_latest_exact`` keeps exact until the next update. The exact sinks and window stay as they are.
@@ -163,6 +165,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
             self.key_absmax = self.key_absmax.to(self.device, torch.float32)
         self.is_initialized = True
 
+    @restores_on_error  # an exception anywhere in a call leaves the layer as it was (hf_asymkv.core.rollback)
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV]:
@@ -175,7 +178,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self.check_no_half_assignment()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.settle()  # a held update is quantized before anything reads past it (the cache usually did it already)
+        self._settle()  # a held update is quantized before anything reads past it (the cache usually did it already)
         n = key_states.shape[-2]
         ks = self.key_store
         if self.cumulative_length == 0 and n and self.sink_tokens:
@@ -257,6 +260,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         """
         self.record_past = True
 
+    @restores_on_error
     def crop(self, tokens_to_remove: int) -> None:
         """Remove ``-tokens_to_remove`` tokens from the end (0 keeps all), then quantize what has aged out.
 
@@ -280,14 +284,19 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         self.pending_tokens = 0  # a crop ends the deferral: what has aged out is quantized now
         self._flush_window()
 
+    @restores_on_error
     def settle(self) -> None:
         """End the holding of the latest update (``hold_updates``): quantize what its tokens pushed out of the window,
         as the layer's next update would. Nothing to do while the layer defers (past recording,
         ``keep_latest_exact``: its tokens then stay pending until its next update or crop) or holds nothing."""
+        self._settle()
+
+    def _settle(self) -> None:
         if self.pending_tokens and not self.defers:
             self.pending_tokens = 0
             self._flush_window()
 
+    @restores_on_error
     def replace_tokens(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold ``keys``/``values`` ``[B, H, n, D]`` instead of every token held so far (what a kvpress press
         assigns: the tokens it keeps of an exact prefill). They are stored like one update into an empty layer,
@@ -411,6 +420,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         spec = self.key_store.blocks.fit(k)
         return scale_from_absmax(calib.expand(b, h, t // self.block_size, d), spec)
 
+    @restores_on_error
     def _map_batch(self, fn) -> None:
         for store in self.stores:
             store.map_batch(fn)

@@ -47,6 +47,7 @@ from .compat import LayerAPICompat, crop_tokens_to_remove, update_position_ids
 from .config import LayerConfig
 from .layer import check_layer_config
 from .quant import scale_from_absmax
+from .rollback import check_usable
 from .sinks import row_anchors
 from .static_attention import StaticQuantizedKV
 from .static_store import StaticTensorStore
@@ -95,6 +96,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         self.return_views = False  # set by AsymKVCache: hand the fused attention StaticQuantizedKV, not dense K/V
         self.record_past = False  # transformers' name; nothing is deferred here (see the module docstring)
         self.batch_size = 0
+        self.interrupted: str | None = None  # the call an exception cut short mid-write (hf_asymkv.core.rollback)
 
     key_spec = property(lambda self: self.config.key_spec)
     value_spec = property(lambda self: self.config.value_spec)
@@ -131,6 +133,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         Raises:
             ValueError: a batch of another size than the first update's.
         """
+        check_usable(self)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_size:
@@ -157,16 +160,25 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         # a step that stores no block (one decode step in block_size stores one) changes nothing by flushing: eagerly
         # on a CPU it is skipped; a graph, and other devices (a host sync per step), flush at every step.
         # (torch.cond here made generate's compiled step recompile once with the `kernels` package installed.)
+        # Until here only filler was written (sink slots from the filled length on; anchors of an empty layer): an
+        # exception left the layer as it was. From here on live buffers change in place, so one marks it
+        # (hf_asymkv.core.rollback); a graph does not branch on the mark.
+        eager = not torch.compiler.is_compiling()
+        if eager:
+            self.interrupted = "update"
         if candidates > 0 and (torch.compiler.is_compiling() or self.device.type != "cpu" or bool(flushed)):
             self._flush(joined, candidates, flushed, boundary)
         for store, tokens in zip(self.stores, joined):
             store.keep_window(tokens, flushed * self.block_size)
         self.length.add_(n)
         self.blocks_stored.add_(flushed)
+        if eager:
+            self.interrupted = None
         return out
 
     def check_room(self, n: int) -> None:
         """Raise ``ValueError`` when ``n`` more tokens do not fit (reads the filled length on the host: eager only)."""
+        check_usable(self)
         held = int(self.get_seq_length())
         if held + n > self.max_cache_len:
             raise ValueError(f"this static cache holds at most max_cache_len={self.max_cache_len} tokens: {held} are "
@@ -177,23 +189,30 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
 
     def get_seq_length(self) -> torch.Tensor | int:
         """The filled length as a 0-d tensor (0 before the first update), as transformers' ``StaticLayer``."""
+        check_usable(self)
         return self.length if self.is_initialized else 0
 
     def get_max_length(self) -> int:
         return self.max_cache_len
 
     def reset(self) -> None:
-        """Empty the layer, keeping the allocation (every buffer zeroed in place)."""
+        """Empty the layer, keeping the allocation (every buffer zeroed in place); a layer marked interrupted is usable
+        again once it returns."""
+        self.interrupted = "reset"
         if self.is_initialized:
             for t in self.tensors():
                 t.zero_()
         self.record_past = False
+        self.interrupted = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch rows (beam search), in place."""
+        check_usable(self)
         if self.is_initialized:
+            self.interrupted = "reorder_cache"
             for t in self.tensors(batched=True):
                 t.copy_(t.index_select(0, beam_idx.to(t.device)))
+            self.interrupted = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise ValueError(f"a static cache keeps its batch of {self.batch_size} rows; build it for the expanded batch "
@@ -213,7 +232,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         Raises:
             ValueError: a positive argument, or a crop into quantized blocks (their exact tokens are gone).
         """
-        held = int(self.get_seq_length())
+        held = int(self.get_seq_length())  # (raises for a layer marked interrupted)
         tokens_to_remove = crop_tokens_to_remove(tokens_to_remove, held)
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove (or 0), got {tokens_to_remove}; "
@@ -238,6 +257,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         """Allocated bytes by part, and ``unused_capacity``: the allocated bytes no token fills yet; ``bookkeeping``:
         the filled length, block count and counters (0-d and small tensors a graph reads), the rows' sink anchors and
         the stores' rotation matrices."""
+        check_usable(self)
         if not self.is_initialized:
             return {}
         held = int(self.length)
@@ -251,6 +271,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
 
     def dense_elements(self) -> int:
         """Elements K and V would hold in full precision for the filled length."""
+        check_usable(self)
         if not self.is_initialized:
             return 0
         key, value = self.stores
@@ -260,6 +281,7 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
     def stats(self) -> Counter:
         """The dynamic layer's counters (``tokens_quantized``, ``blocks_quantized``, ``flushes``, ...), read from the
         device."""
+        check_usable(self)
         if not self.is_initialized:
             return Counter()
         blocks = int(self.blocks_stored)

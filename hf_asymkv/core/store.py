@@ -130,15 +130,23 @@ class GrowableBuffer:
         self.length = length
 
     def drop_front(self, n: int) -> None:
-        """Remove the first ``n`` live rows (the rest moves to the front); capacity far beyond the live rows is
-        released, so a long-lived buffer does not keep the size of one long burst."""
+        """Remove the first ``n`` live rows (the rest moves to the front, in a new tensor: see :meth:`replace_rows`);
+        capacity far beyond the live rows is released, so a long-lived buffer does not keep the size of one long
+        burst."""
         if n == 0:
             return
-        rest = self.data[:, :, n : self.length].clone()
+        rest = self.data[:, :, n : self.length]
+        self.replace_rows(rest, keep_capacity=self.data.shape[2] <= 2 * rest.shape[2] + 64)
+
+    def replace_rows(self, x: torch.Tensor, growth: Growth | None = None, keep_capacity: bool = True) -> None:
+        """Hold exactly the rows ``x`` ``[B, H, n, ...]`` instead of the live ones, in a new tensor of this buffer's
+        capacity (``keep_capacity=False``: from none; grown as :meth:`append` grows when ``x`` needs more). Never
+        written over the rows held before: a caller that kept the old tensor and length still has them
+        (:mod:`~hf_asymkv.core.rollback` restores an interrupted update so)."""
+        old = self.data if keep_capacity else None
+        self.data = None if old is None else old.new_empty(old.shape)
         self.length = 0
-        if self.data.shape[2] > 2 * rest.shape[2] + 64:
-            self.data = None
-        self.append(rest)
+        self.append(x, growth)
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.data is not None:
@@ -331,11 +339,9 @@ class TensorStore:
             return self.window.live, 0
         tail = self.joined(new)
         self.overlay.capture(tail[:, :, :n_flush], self.sinks.length + self.blocks.length)
-        if not self.blocks.length:  # the first flush: release the tight window's capacity (tail is a copy)
-            self.window.data = None
+        first = not self.blocks.length  # the first flush: drop the tight window's capacity (sized before any block)
         nonfinite = self.blocks.append(tail[:, :, :n_flush], scale)
-        self.window.truncate(0)
-        self.window.append(tail[:, :, n_flush:], self.growth)
+        self.window.replace_rows(tail[:, :, n_flush:], self.growth, keep_capacity=not first)
         return tail, nonfinite
 
     def flush(self, n_flush: int, scale: torch.Tensor | None = None) -> int:
@@ -419,7 +425,7 @@ class TensorStore:
             overlay = self.overlay.view(start, start + bs)
             if overlay is not None:  # padded rows' sinks go back to the window exact
                 write_rows(block, 2, overlay.positions - start, overlay.valid, overlay.tokens)
-            self.window.append(block[:, :, :partial], self.growth)
+            self.window.replace_rows(block[:, :, :partial], self.growth)
         self.blocks.truncate(whole)
         self.sinks.truncate(min(keep, ns))
         return partial
