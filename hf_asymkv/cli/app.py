@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, calibrate, demo, evals, hub
+from . import bench, calibrate, demo, evals, hub, prompt_cache
 from .args import Parser, check_inputs
 
 __all__ = ["build_parser", "main"]
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     evals.add_parser(sub)
     bench.add_parsers(sub)
     hub.add_parsers(sub)
+    prompt_cache.add_parser(sub)
     return parser
 
 
