@@ -17,7 +17,8 @@ saved (``cache.save``), and for each question loaded back (``AsymKVCache.load``)
   the read;
 - **continuity** (``verify``): the answer from a copy of the cache still in memory, and whether its tokens equal the
   loaded cache's;
-- **load RSS** (``load_rss``): a fresh process loads the file; its peak RSS growth against the file's size.
+- **load RSS** (``load_rss``): a fresh process loads the file; its peak RSS growth during the load (Linux's ``VmHWM``
+  reset before it) and what stays resident, against the file's size.
 
 Answers are greedy, one token per forward, as ``generate(do_sample=False)`` gives them.
 """
@@ -110,7 +111,7 @@ def greedy_answer(model, cache, ids: torch.Tensor, max_new_tokens: int, eos: set
     """Greedy answer to ``ids`` ``[1, Q]`` continuing ``cache``: ``(tokens, seconds to the first token, seconds in all)``,
     ending at an ``eos`` token (included) or after ``max_new_tokens``."""
     start = time.perf_counter()
-    logits = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
+    logits = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits  # as generate
     tokens = [int(logits[0, -1].argmax())]
     first = time.perf_counter() - start
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
@@ -256,13 +257,15 @@ def format_report(report: dict) -> str:
     if "load_rss" in report:
         rss = report["load_rss"]
         lines.append(f"  load in a fresh process: {rss['load_s']:.3f} s, peak RSS +{rss['peak_rss_growth_bytes'] / mib:.1f} "
-                     f"MiB ({rss['peak_rss_growth_bytes'] / file_bytes:.2f}x the file)")
+                     f"MiB ({rss['peak_rss_growth_bytes'] / file_bytes:.2f}x the file), resident after "
+                     f"+{rss['rss_growth_bytes'] / mib:.1f} MiB")
     return "\n".join(lines)
 
 
 def measure_load_rss(path: str | Path, config, device: str = "cpu") -> dict:
-    """Load ``path`` in a fresh Python process: ``{"load_s", "peak_rss_growth_bytes", "rss_before_bytes"}`` (peak RSS
-    after the load less the peak before it, once torch, transformers and the config are loaded)."""
+    """Load ``path`` in a fresh Python process: ``{"load_s", "rss_before_bytes", "peak_rss_growth_bytes",
+    "rss_growth_bytes", "tokens"}``: the resident set before the load (torch, transformers and the config loaded),
+    its peak during the load and what stays resident after it, less that."""
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         out = subprocess.run([sys.executable, "-m", "hf_asymkv.bench.prompt_cache", str(path), folder, device],
@@ -270,21 +273,26 @@ def measure_load_rss(path: str | Path, config, device: str = "cpu") -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _load_in_this_process(path: str, config_folder: str, device: str) -> dict:
-    import resource
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process from ``/proc/self/status``, in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
 
+
+def _load_in_this_process(path: str, config_folder: str, device: str) -> dict:
     from transformers import AutoConfig
 
     import hf_asymkv.core.prompt_cache  # noqa: F401  (imported before the measure)
 
     config = AutoConfig.from_pretrained(config_folder)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    before = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from the current RSS (Linux >= 4.0)
+        f.write("5")
     start = time.perf_counter()
     cache = AsymKVCache.load(path, config, device=device)
     seconds = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"load_s": seconds, "peak_rss_growth_bytes": after - before, "rss_before_bytes": before,
-            "tokens": int(cache.get_seq_length())}
+    return {"load_s": seconds, "rss_before_bytes": before, "peak_rss_growth_bytes": _status_bytes("VmHWM") - before,
+            "rss_growth_bytes": _status_bytes("VmRSS") - before, "tokens": int(cache.get_seq_length())}
 
 
 def main(argv: list[str]) -> int:
