@@ -78,14 +78,18 @@ def question_ids(tokenizer, question: str, prefix: torch.Tensor, messages: list 
     assistant's start through the chat template (``messages``), or ``"\\n\\nQuestion: ...\\nAnswer:"`` after a text.
 
     Raises:
-        ValueError: a chat template that renders the conversation with the question so that it no longer starts with
-            the saved prompt (the cache could not be continued).
+        ValueError: a chat template that refuses the question as a new user turn, or renders the conversation with it
+            so that it no longer starts with the saved prompt (the cache could not be continued).
     """
     if messages is None:
         ids = tokenizer(f"\n\nQuestion: {question}\nAnswer:", add_special_tokens=False)["input_ids"]
         return torch.tensor([list(ids)], dtype=torch.long)
-    full = tokenizer.apply_chat_template([*messages, {"role": "user", "content": question}], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False)
+    try:
+        full = tokenizer.apply_chat_template([*messages, {"role": "user", "content": question}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=False)
+    except Exception as exc:  # a template's own refusal (e.g. roles that must alternate) is a jinja TemplateError
+        raise ValueError(f"the chat template refuses the question as a new user turn after the saved messages "
+                         f"({type(exc).__name__}: {exc}); end the messages with an assistant turn") from None
     n = prefix.shape[1]
     if list(full[:n]) != prefix[0].tolist():
         raise ValueError("the chat template renders the conversation with the question so that it does not start with "

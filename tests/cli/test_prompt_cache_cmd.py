@@ -98,3 +98,18 @@ def test_bad_inputs_are_refused_before_the_model_loads(folder, tmp_path, capsys,
     assert main(["prompt-cache", *argv, "--out", str(tmp_path / "x.safetensors")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_template_that_refuses_a_second_user_turn_is_named(folder, tmp_path, capsys):
+    """Templates that make roles alternate (Gemma's) raise on a question after a user turn: one line, exit 2."""
+    from transformers import AutoTokenizer
+
+    strict = tmp_path / "model"
+    save_tiny_model(strict)
+    tokenizer = AutoTokenizer.from_pretrained(strict)
+    tokenizer.chat_template = ("{% for m in messages %}{% if loop.index0 % 2 and m['role'] == 'user' %}"
+                               "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    tokenizer.save_pretrained(strict)
+    code = main(["prompt-cache", "--model", str(strict), "--messages", str(folder / "chat.json"), "--question", "Q?",
+                 "--out", str(tmp_path / "x.safetensors"), "--quiet"])
+    assert code == 2 and "refuses the question as a new user turn" in capsys.readouterr().err
