@@ -202,3 +202,14 @@ def permissions_enforced() -> bool:
             return not os.access(locked, os.W_OK)
         finally:
             os.chmod(locked, stat.S_IRWXU)
+
+
+def refuse_network(monkeypatch) -> None:
+    """Make every connection attempt fail the test (the offline evaluations must not need one)."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args[1:] if len(args) > 1 else args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

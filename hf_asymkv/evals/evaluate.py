@@ -16,7 +16,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..core.compat import DUMMY_LAYER_CLASSES, cache_kwargs
 
-__all__ = ["cache_from_prefix", "compare_continuation", "encode_prompt", "eos_ids", "kl_top1", "tail_and_decode"]
+__all__ = ["cache_from_prefix", "compare_continuation", "encode_prompt", "eos_ids", "kl_top1", "prompt_question_start",
+           "tail_and_decode"]
 
 
 def encode_prompt(tokenizer, prompt) -> torch.Tensor:
@@ -37,6 +38,26 @@ def encode_prompt(tokenizer, prompt) -> torch.Tensor:
     answer = prefix or f"The access code for the {prompt.key} is"
     text = prompt.messages[0]["content"] + f"\nAnswer: {answer}"
     return tokenizer(text, return_tensors="pt")["input_ids"]
+
+
+def prompt_question_start(tokenizer, prompt, ids: torch.Tensor) -> int:
+    """Index in ``ids`` (``[1, T]``, :func:`encode_prompt` of ``prompt``) of the first token after the document: the
+    newline before the last line of the user's text (the question), as :mod:`hf_asymkv.evals.question` finds it.
+
+    Raises:
+        ValueError: the prompt's text has no question line after its document, or its tokens cannot be split there.
+    """
+    from .question import question_char, question_line, question_start
+
+    content = prompt.messages[-1]["content"]
+    where = f"{getattr(prompt, 'task', 'prompt')} prompt of {ids.shape[1]} tokens"
+    line = question_line(content, where)
+    if tokenizer.chat_template:  # the template's rendering, tokenized as apply_chat_template tokenizes it
+        text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=False)
+        document = tokenizer(text[:question_char(text, line, where)], add_special_tokens=False)["input_ids"]
+    else:
+        document = tokenizer(content[:question_char(content, line, where)])["input_ids"]
+    return question_start(ids[0].tolist(), document, where)
 
 
 # Layers that store what they are given, unquantized: a copy of the full-precision layer is their prefill state.

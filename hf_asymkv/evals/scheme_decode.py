@@ -13,6 +13,10 @@ Schemes whose layers quantize the very update that brings the tokens (the per-to
 llama.cpp: their prefill already attends to quantized K/V) and schemes that switch the attention implementation
 (``-fused``) get a prefill of their own. ``tests/evals/test_scheme_decode.py`` checks every scheme against
 ``model.generate`` with its cache: same first-token logits, same tokens.
+
+The same shared prefill serves the question-reads-cache form (:mod:`.forms`): it stops at the question, each scheme
+continues from the document's K/V and feeds the question through its own cache; the chunked-prefill form runs the
+prompt through each scheme's own cache (``tests/evals/test_forms.py``).
 """
 
 from __future__ import annotations
@@ -26,9 +30,13 @@ from ..bench.peers import PeerLayer
 from ..bench.schemes import ATTENTION, make_cache, scheme_attention
 from ..core.compat import DUMMY_LAYER_CLASSES, cache_kwargs
 from ..core.layer import AsymKVLayer
+from ..models import input_device
 from .evaluate import cache_from_prefix, eos_ids
+from .forms import ONE_PASS, QUESTION, TAIL_FORM, form_chunk, parse_variant
+from .prefill import prefill
 
-__all__ = ["StopCheck", "generate_per_scheme", "prefilled_caches", "score_per_scheme", "shares_prefill"]
+__all__ = ["StopCheck", "generate_per_scheme", "greedy_continue", "prefilled_caches", "score_per_scheme",
+           "shares_prefill"]
 
 StopCheck = Callable[[list[int]], bool]
 """Called with the tokens generated so far (after each new one); True ends the answer (a stop string appeared)."""
@@ -53,38 +61,82 @@ def shares_prefill(name: str, cache) -> bool:
 
 
 def _prefill(model, ids: torch.Tensor, cache) -> torch.Tensor:
-    """Run ``ids`` ``[1, T]`` into ``cache``; the last position's logits ``[1, vocab]`` (float32)."""
-    out = model(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1].float()
+    """Run ``ids`` ``[1, T]`` into ``cache`` in one forward; the last position's logits ``[1, vocab]`` (float32)."""
+    return prefill(model, ids, cache)
 
 
-def prefilled_caches(model, ids: torch.Tensor, schemes: list[str]):
-    """Yield ``(name, cache, last prefill logits [1, vocab])`` for each scheme, each cache in the state the prefill of
-    ``ids`` ``[1, T]`` leaves it in, from one shared full-precision prefill where the scheme allows it
-    (:func:`shares_prefill`); the model runs under the scheme's attention implementation while the caller uses
-    the cache."""
-    shared = make_cache("dynamic", model.config)
-    shared_logits = _prefill(model, ids, shared)
-    for name in schemes:
-        with scheme_attention(model, name):
-            cache = make_cache(name, model.config)
-            if shares_prefill(name, cache):
-                yield name, cache_from_prefix(cache, shared), shared_logits
-            else:
-                yield name, cache, _prefill(model, ids, cache)
+def _own_cache(model, name: str, shared, ids: torch.Tensor):
+    """Scheme ``name``'s cache holding ``ids`` ``[1, T]`` (already under its attention): continued from ``shared``
+    (the full-precision prefill of ``ids``) when it shares the prefill, else prefilled by itself in one forward.
+    Returns ``(cache, last logits [1, vocab] or None when shared)``."""
+    cache = make_cache(name, model.config)
+    if shares_prefill(name, cache):
+        return cache_from_prefix(cache, shared), None
+    return cache, _prefill(model, ids, cache)
+
+
+def prefilled_caches(model, ids: torch.Tensor, variants: list[str], split: int | None = None,
+                     shared_chunk: int | None = None):
+    """Yield ``(variant, cache, logits [1, vocab])`` for each of ``variants`` (scheme names, ``<scheme>@<form>`` for
+    the forms of :mod:`.forms`): the cache holding the whole prompt ``ids`` ``[1, T]`` the way that form fills it,
+    and the logits the first answer token is drawn from. The model runs under the scheme's attention implementation
+    while the caller uses the cache.
+
+    The one-pass and question forms share one full-precision prefill (:func:`shares_prefill`), run in forwards of
+    ``shared_chunk`` tokens (:func:`~hf_asymkv.evals.prefill.prefill`; None: one forward) and stopped at ``split``
+    while question forms are asked: each of them continues from the document's K/V and feeds ``ids[:, split:]``
+    through its own cache; then the shared prefill takes the question too and the one-pass forms continue from it.
+    A chunked form prefills the prompt through the scheme's own cache.
+
+    Raises:
+        ValueError: a question form without ``split``, or ``split`` outside ``[1, T - 1]``.
+    """
+    parsed = [(name, *parse_variant(name)) for name in variants]
+    asked = {form for _, _, form in parsed}
+    if TAIL_FORM in asked:
+        raise ValueError(f"the tail form is the needle grid's own (hf_asymkv.evals.retrieval), not one of {variants}")
+    if QUESTION in asked and (split is None or not 1 <= split < ids.shape[1]):
+        raise ValueError(f"the question form needs the question's first token index in [1, {ids.shape[1] - 1}], "
+                         f"got {split}")
+    shared = logits = None
+    if asked & {ONE_PASS, QUESTION}:
+        shared = make_cache("dynamic", model.config)
+        end = split if QUESTION in asked else ids.shape[1]
+        logits = prefill(model, ids[:, :end], shared, shared_chunk)
+    for name, scheme, form in parsed:
+        if form == QUESTION:
+            with scheme_attention(model, scheme):
+                cache, _ = _own_cache(model, scheme, shared, ids[:, :split])
+                yield name, cache, _prefill(model, ids[:, split:], cache)  # the question reads the stored document
+    if QUESTION in asked and ONE_PASS in asked:
+        logits = _prefill(model, ids[:, split:], shared)
+    for name, scheme, form in parsed:
+        if form == ONE_PASS:
+            with scheme_attention(model, scheme):
+                cache, own = _own_cache(model, scheme, shared, ids)
+                yield name, cache, logits if own is None else own
+    shared = None
+    for name, scheme, form in parsed:
+        if (chunk := form_chunk(form)) is not None:
+            with scheme_attention(model, scheme):
+                cache = make_cache(scheme, model.config)
+                yield name, cache, prefill(model, ids, cache, chunk)
 
 
 @torch.no_grad()
 def generate_per_scheme(model, ids: torch.Tensor, schemes: list[str], max_new_tokens: int,
-                        stop: Callable[[], StopCheck] | None = None,
-                        tick: Callable[[str], None] | None = None) -> dict[str, list[int]]:
+                        stop: Callable[[], StopCheck] | None = None, tick: Callable[[str], None] | None = None,
+                        split: int | None = None, shared_chunk: int | None = None) -> dict[str, list[int]]:
     """Greedy answers to ``ids`` ``[1, T]`` through every scheme, as ``model.generate(ids, cache=scheme_cache,
     do_sample=False, max_new_tokens=max_new_tokens)`` gives them: the generated ids, ending at the model's eos
     (included), at ``max_new_tokens``, or where a fresh ``stop()`` check says so.
 
     Args:
+        schemes: scheme names, or ``<scheme>@<form>`` for the other forms (:func:`prefilled_caches`).
         stop: makes one stop check per scheme (checks may keep state); None: eos and length only.
         tick: called after each scheme with its name.
+        split: index of the question's first token (question forms, :mod:`.question`).
+        shared_chunk: tokens per forward of the shared full-precision prefill (None: one forward).
 
     Returns:
         ``{scheme: generated token ids}``.
@@ -93,22 +145,27 @@ def generate_per_scheme(model, ids: torch.Tensor, schemes: list[str], max_new_to
         raise ValueError(f"one prompt at a time: ids must be [1, T], got {list(ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    eos = eos_ids(model)
     answers = {}
-    for name, cache, logits in prefilled_caches(model, ids, schemes):
-        check = stop() if stop else None
-        tokens: list[int] = []
-        while True:
-            tokens.append(int(logits[0].argmax()))
-            if tokens[-1] in eos or len(tokens) == max_new_tokens or (check and check(tokens)):
-                break
-            step = torch.tensor([[tokens[-1]]], device=ids.device)
-            logits = _prefill(model, step, cache)
-        answers[name] = tokens
+    for name, cache, logits in prefilled_caches(model, ids, schemes, split, shared_chunk):
+        answers[name] = greedy_continue(model, cache, logits, max_new_tokens, stop() if stop else None)
         del cache
         if tick:
             tick(name)
     return answers
+
+
+@torch.no_grad()
+def greedy_continue(model, cache, logits: torch.Tensor, max_new_tokens: int,
+                    check: StopCheck | None = None) -> list[int]:
+    """Greedy tokens from ``logits`` ``[1, vocab]`` (the prompt's last position) on, one step at a time through
+    ``cache``: ending at the model's eos (included), at ``max_new_tokens``, or where ``check`` says so."""
+    eos, device = eos_ids(model), input_device(model)
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(logits[0].argmax()))
+        if tokens[-1] in eos or len(tokens) == max_new_tokens or (check and check(tokens)):
+            return tokens
+        logits = _prefill(model, torch.tensor([[tokens[-1]]], device=device), cache)
 
 
 @torch.no_grad()

@@ -5,14 +5,12 @@ refused before the model loads; and our lm-eval model answers as lm-eval's own H
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import _build, llama_config
-from helpers import char_tokenizer, cli_exit_code
-from transformers import LlamaForCausalLM
+from conftest import save_tiny_model
+from helpers import cli_exit_code, refuse_network
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("punkt")
@@ -29,20 +27,12 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
-    """No network: a connection attempt fails the test."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args[1:] if len(args) > 1 else args}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+    refuse_network(monkeypatch)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("lm_eval") / "llama"
-    _build(LlamaForCausalLM, llama_config(), seed=0).save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("lm_eval") / "llama")
 
 
 def run(tiny: Path, out: Path, *extra: str) -> int:
