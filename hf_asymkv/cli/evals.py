@@ -34,7 +34,7 @@ from .args import (
     output_folder,
     set_threads,
 )
-from .form_args import add_form_args, forms_from_args
+from .form_args import add_form_args, add_shared_prefill_arg, forms_from_args
 
 __all__ = ["add_parser"]
 
@@ -161,7 +161,8 @@ def _cmd_attention(args) -> int:
     model, tokenizer, schemes, skipped, _, _ = _prepare(args, False, {"--length": [args.length]})
     start = time.perf_counter()
     rows = run_attention(model, tokenizer, schemes, args.length, args.samples, args.queries, seed=args.seed,
-                         show_progress=not args.quiet, tick=_heartbeat("attention"))
+                         show_progress=not args.quiet, tick=_heartbeat("attention"),
+                         shared_chunk=args.shared_prefill_chunk or None)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else None
     induction = induction_scores(model, seed=args.seed, prefix_ids=bos)
     seconds = time.perf_counter() - start
@@ -170,7 +171,7 @@ def _cmd_attention(args) -> int:
     if args.out:
         out = Path(args.out)
         meta = _meta(args, model, seconds, length=args.length, samples=args.samples, queries=args.queries,
-                     seed=args.seed)
+                     seed=args.seed, shared_prefill_chunk=args.shared_prefill_chunk)
         write_json(out / "attention.json", {"meta": meta, "schemes": schemes, "skipped": skipped,
                                             "induction": induction, "rows": [asdict(r) for r in rows]})
         _write_md(out / "attention.md", meta, table)
@@ -437,6 +438,7 @@ def add_parser(sub) -> None:
     e.add_argument("--samples", type=at_least(1), default=2, help="prompts, needle depths spread")
     e.add_argument("--queries", type=at_least(1), default=32,
                    help="last prompt tokens whose attention is compared (at most half of --length)")
+    add_shared_prefill_arg(e)
     e.set_defaults(func=_cmd_attention)
 
     e = evals.add_parser("ppl", help="perplexity through each scheme's quantized history, on long text")

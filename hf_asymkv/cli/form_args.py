@@ -11,7 +11,7 @@ import argparse
 from ..evals.forms import FORMS, ONE_PASS, QUESTION, TAIL_FORM, form_list
 from .args import at_least, name_list
 
-__all__ = ["SHARED_PREFILL_CHUNK", "add_form_args", "forms_from_args"]
+__all__ = ["SHARED_PREFILL_CHUNK", "add_form_args", "add_shared_prefill_arg", "forms_from_args"]
 
 SHARED_PREFILL_CHUNK = 4096
 """Default of ``--shared-prefill-chunk`` (the same as :data:`hf_asymkv.evals.prefill.SHARED_PREFILL_CHUNK`, which
@@ -32,6 +32,11 @@ def add_form_args(p: argparse.ArgumentParser, default: str = ONE_PASS, tail: boo
     p.add_argument("--prefill-chunk", type=at_least(1), default=None, metavar="N",
                    help="also answer in the chunked-prefill form: the whole prompt through each scheme's own cache "
                    "in forwards of N tokens, every chunk after the first reading the stored history")
+    add_shared_prefill_arg(p)
+
+
+def add_shared_prefill_arg(p: argparse.ArgumentParser) -> None:
+    """``--shared-prefill-chunk`` on ``p``."""
     p.add_argument("--shared-prefill-chunk", type=at_least(1, zero_ok=True), default=SHARED_PREFILL_CHUNK,
                    metavar="N", help="tokens per forward of the full-precision prefill the schemes share (the same "
                    "result as one forward for a DynamicCache, up to float rounding; far cheaper for long prompts on "

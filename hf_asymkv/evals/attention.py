@@ -29,6 +29,7 @@ from .common import check_length, progress
 from .evaluate import cache_from_prefix, encode_prompt
 from .haystack import split_sentences
 from .needle import make_task
+from .prefill import SHARED_PREFILL_CHUNK, prefill
 
 __all__ = ["TOPK", "AttentionRow", "attention_stats", "eager_attention", "induction_scores", "run_attention"]
 
@@ -107,11 +108,11 @@ def induction_scores(model, n: int = 128, seed: int = 0, prefix_ids: list[int] |
 
 
 def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int,
-                tick: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
-    """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference); ``tick`` after each scheme."""
+                tick: Callable[[str], None] | None = None, shared_chunk: int | None = None) -> dict[str, list[dict]]:
+    """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference); ``tick`` after each scheme; the
+    shared prefill runs in forwards of ``shared_chunk`` tokens (:mod:`.prefill`)."""
     prefilled = make_cache("dynamic", model.config)
-    with torch.no_grad():
-        model(input_ids=ids[:, :-queries], **cache_kwargs(prefilled), use_cache=True, logits_to_keep=1)
+    prefill(model, ids[:, :-queries], prefilled, shared_chunk)
     ref, out = None, {}
     for name in schemes:
         probs = _attentions(model, cache_from_prefix(make_cache(name, model.config), prefilled), ids[:, -queries:])
@@ -124,10 +125,12 @@ def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int,
 
 def run_attention(model, tokenizer, schemes: list[str], length: int, samples: int = 2, queries: int = 32,
                   haystack: str = "noise", text: str | None = None, seed: int = 0,
-                  show_progress: bool = True, tick: Callable[[str], None] | None = None) -> list[AttentionRow]:
+                  show_progress: bool = True, tick: Callable[[str], None] | None = None,
+                  shared_chunk: int | None = SHARED_PREFILL_CHUNK) -> list[AttentionRow]:
     """Per-layer KL and top-k overlap of every scheme against ``schemes[0]`` (``dynamic``), over ``samples``
     multi-key retrieval prompts of ``length`` tokens with the target at depths spread over the document;
-    ``tick`` is called after each (prompt, scheme) with where the run is (:class:`.common.Heartbeat`).
+    ``tick`` is called after each (prompt, scheme) with where the run is (:class:`.common.Heartbeat`); the
+    full-precision prefill the schemes share runs in forwards of ``shared_chunk`` tokens (None: one forward).
 
     Raises:
         ValueError: length beyond the model's limit, samples < 1, queries outside [1, length / 2].
@@ -148,7 +151,8 @@ def run_attention(model, tokenizer, schemes: list[str], length: int, samples: in
         depth = (i + 0.5) / samples
         task = make_task(tokenizer, "multikey", length, round(depth, 3), seed + i, haystack, sentences)
         step = (lambda where, i=i: tick(f"attention prompt {i + 1}/{samples}, {where}")) if tick else None
-        stats = _one_prompt(model, encode_prompt(tokenizer, task).to(input_device(model)), schemes, queries, step)
+        stats = _one_prompt(model, encode_prompt(tokenizer, task).to(input_device(model)), schemes, queries, step,
+                            shared_chunk)
         for name, layers in stats.items():
             acc = sums.setdefault(name, [dict.fromkeys(s, 0.0) for s in layers])
             for a, s in zip(acc, layers):

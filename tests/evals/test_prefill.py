@@ -58,3 +58,16 @@ def test_sliding_layers_attend_their_window_plus_the_chunk(hybrid, ids, chunk, l
 def test_bad_prefills_are_refused(llama, shape, chunk, message):
     with pytest.raises(ValueError, match=message):
         prefill(llama, torch.full(shape, FIRST_PLAIN_TOKEN), DynamicCache(config=llama.config), chunk)
+
+
+def test_attention_damage_is_the_same_after_a_chunked_shared_prefill(hybrid):
+    from helpers import char_tokenizer
+
+    from hf_asymkv.evals.attention import run_attention
+
+    def damage(chunk):
+        rows = run_attention(hybrid, char_tokenizer(), ["dynamic", "asymkv-max"], 600, samples=1, queries=16,
+                             show_progress=False, shared_chunk=chunk)
+        return rows[1].kl + rows[1].topk["8"]
+
+    assert damage(100) == pytest.approx(damage(None), rel=1e-3, abs=1e-6)
