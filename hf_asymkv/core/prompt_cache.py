@@ -28,8 +28,9 @@ nothing at ``path`` (an earlier file there stays as it was).
 not a prompt cache, of another format version, of another model (fingerprint), whose settings differ from the
 ``cache_config`` the caller expects, whose token ids differ from the ``input_ids`` the caller continues, or whose
 tensors are missing, unexpected, of the wrong shape or dtype, or of lengths that do not add up. The tensor bytes
-themselves are not checksummed: an edited code byte within a well-formed file loads as written. Only what the
-layers need is read (``safe_open``: each tensor once, on the load device).
+themselves are not checksummed: an edited code byte within a well-formed file loads as written. The header is read
+with ``safe_open`` (it checks the file's size against it) and each tensor's bytes once, into the cache's own memory
+(:class:`_FileTensors`), after its shape and dtype are checked: a loaded cache does not depend on the file.
 """
 
 from __future__ import annotations
@@ -173,12 +174,22 @@ def save_prompt_cache(cache, path: str | Path, *, input_ids: torch.Tensor | None
 
 class _FileTensors:
     """The tensors of an open prompt-cache file, each checked (shape, dtype: from the header, before its bytes are
-    read) and read once; :meth:`check_all_read` then refuses any the layers did not ask for."""
+    read) and read once; :meth:`check_all_read` then refuses any the layers did not ask for.
 
-    def __init__(self, handle, device: torch.device):
-        self.handle, self.device = handle, device
+    The bytes are read from ``stream`` into memory of the cache's own (a plain read per tensor, at the offsets of the
+    header that ``safe_open`` has validated), not taken as safetensors' views of a private mapping of the file: those
+    are read lazily, so a file rewritten in place afterwards (``cp`` over it) would change, or fault, a cache loaded
+    from it. Loaded, the cache no longer depends on the file, and the load reads the file once, no more."""
+
+    def __init__(self, handle, stream, device: torch.device):
+        self.handle, self.stream, self.device = handle, stream, device
         self.names = set(handle.keys())
         self.read_names: set[str] = set()
+        stream.seek(0)
+        size = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(size))
+        self.spans = {name: (8 + size + header[name]["data_offsets"][0], 8 + size + header[name]["data_offsets"][1])
+                      for name in self.names}
 
     def read(self, name: str, shape: tuple[int | None, ...], dtype: torch.dtype) -> torch.Tensor:
         if name not in self.names:
@@ -192,7 +203,13 @@ class _FileTensors:
             raise ValueError(f"tensor {name!r} is {found_dtype or found.get_dtype()} {list(found_shape)}, expected "
                              f"{wanted} {list(shown)}")
         self.read_names.add(name)
-        return self.handle.get_tensor(name)
+        out = torch.empty(found_shape, dtype=dtype)
+        start, end = self.spans[name]
+        if end > start:
+            self.stream.seek(start)
+            if self.stream.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy())) != end - start:
+                raise ValueError(f"tensor {name!r} is cut short (the file changed while it was read?)")
+        return out if self.device.type == "cpu" else out.to(self.device)
 
     def check_all_read(self) -> None:
         unexpected = sorted(self.names - self.read_names)
@@ -202,17 +219,17 @@ class _FileTensors:
 
 
 @contextmanager
-def _open(path: Path, device: torch.device):
-    """``safe_open`` on ``path``; ``ValueError`` for a file safetensors cannot read (the header is checked against the
-    file's size there: a truncated file fails here)."""
+def _open(path: Path):
+    """``(safe_open handle, binary file)`` on ``path``; ``ValueError`` for a file safetensors cannot read (the header is
+    checked against the file's size there: a truncated file fails here)."""
     if not path.is_file():
         raise FileNotFoundError(f"prompt-cache file {str(path)!r} does not exist")
     try:
-        handle = safe_open(str(path), framework="pt", device=str(device))
+        handle = safe_open(str(path), framework="pt")
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{path}: not a readable safetensors file (truncated or foreign?): {exc}") from None
-    with handle as f:
-        yield f
+    with handle as f, open(path, "rb") as stream:
+        yield f, stream
 
 
 def _json(meta: dict, key: str, kind: type):
@@ -263,7 +280,7 @@ def read_prompt_cache_metadata(path: str | Path) -> dict:
         ValueError: not a readable prompt-cache file of a supported version (the message names the file).
     """
     path = Path(path)
-    with _open(path, torch.device("cpu")) as f:
+    with _open(path) as (f, _):
         try:
             return _checked_metadata(f.metadata())
         except ValueError as exc:
@@ -318,11 +335,11 @@ class PromptCacheFile:
         metadata: the parsed metadata (see :func:`read_prompt_cache_metadata`).
     """
 
-    def __init__(self, handle, meta: dict, config, device: torch.device):
+    def __init__(self, handle, stream, meta: dict, config, device: torch.device):
         self.metadata, self.device = meta, device
         self.cache_config = AsymKVConfig.from_dict(meta["cache_config"], where="metadata 'cache_config'")
         self.max_cache_len = meta["max_cache_len"]
-        self.tensors, self.shapes = _FileTensors(handle, device), layer_shapes(config)
+        self.tensors, self.shapes = _FileTensors(handle, stream, device), layer_shapes(config)
         records = meta["layers"]
         if len(records) > len(self.shapes):
             raise ValueError(f"the file holds {len(records)} layers, the model {len(self.shapes)}")
@@ -371,11 +388,11 @@ def open_prompt_cache(path: str | Path, config, *, input_ids: torch.Tensor | Non
             names the file and the problem.
     """
     path, device = Path(path), torch.device(device)
-    with _open(path, device) as handle:
+    with _open(path) as (handle, stream):
         try:
             meta = _checked_metadata(handle.metadata())
             _check_model(meta["fingerprint"], config)
-            opened = PromptCacheFile(handle, meta, config, device)
+            opened = PromptCacheFile(handle, stream, meta, config, device)
             _check_settings(opened.cache_config, cache_config)
             _check_token_ids(meta, input_ids)
             yield opened

@@ -268,3 +268,16 @@ def test_continuing_a_loaded_cache_is_not_taken_for_a_new_prompt(llama, ids, tmp
         with torch.no_grad():
             llama(ids[:, PREFIX:], **cache_kwargs(loaded))
     assert loaded.get_seq_length() == PREFIX + QUESTION
+
+
+def test_a_loaded_cache_does_not_depend_on_the_file(llama, ids, tmp_path, single_thread):
+    """The tensors are read into the cache's own memory: the file rewritten in place after the load (``cp`` over it)
+    changes nothing in the loaded cache."""
+    saved = prefilled(llama, ids)
+    loaded = round_trip(llama, saved, ids, tmp_path)
+    path = tmp_path / "prompt.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * (size - size // 2))
+    assert_same_continuation(llama, saved, loaded, ids)
