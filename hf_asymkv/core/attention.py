@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import triton_fused_attention
+from .backend import native_fused_attention, triton_fused_attention
 from .kv_view import HEADWISE_MASKING_REFUSED, QuantizedKV, SinkOverlayView, mask_bias, write_rows
 from .quant import decode_codes
 from .rotation import rotate, unrotate
@@ -210,6 +210,8 @@ def asymkv_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
             refused = _refused(module, key, dropout, kwargs)
             scale = scaling if scaling is not None else key.tail.shape[-1] ** -0.5
             out = triton_fused_attention(query, key, value, attention_mask, scale, refused)
+            if out is None and query.device.type == "cpu":
+                out = native_fused_attention(query, key, value, attention_mask, scale, refused)
             if out is not None:
                 return out, None
             if refused is None:

@@ -1,19 +1,24 @@
-"""The fused attention's backend for one call, and the translation of a layer's stored K/V into the Triton
-kernel's plain regions (:mod:`hf_asymkv.kernels`): the only place where the core meets the kernels.
+"""The fused attention's backend for one call, and the translation of a layer's stored K/V into the kernels' plain
+arguments (:mod:`hf_asymkv.kernels`): the only place where the core meets the attention kernels.
 
-``HF_ASYMKV_ATTENTION_BACKEND`` (:mod:`hf_asymkv.kernels.backend`) picks ``torch`` (:func:`~.attention.fused_attention`)
-or ``triton``; ``auto`` takes Triton for CUDA tensors when it can serve the call.
+``HF_ASYMKV_ATTENTION_BACKEND`` (:mod:`hf_asymkv.kernels.backend`) picks ``torch`` (:func:`~.attention.fused_attention`),
+``triton`` or ``native`` (the C kernel on CPU, :mod:`hf_asymkv.kernels.cpu_attention`); ``auto`` takes Triton for CUDA
+tensors and the native kernel for CPU tensors when they can serve the call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.backend import choose_backend, requested_backend
+from ..kernels import cpu_attention
+from ..kernels.backend import choose_backend, requested_backend, use_native
 from ..kernels.regions import ExactSegment, QuantizedRegion, StoredCodes, unsupported
 from .kv_view import write_rows
+from .packing import plane_widths
+from .quant import storage_offset
+from .rotation import hadamard_block
 
-__all__ = ["kernel_regions", "triton_fused_attention"]
+__all__ = ["kernel_regions", "native_fused_attention", "triton_fused_attention"]
 
 
 def _stored(kv) -> StoredCodes:
@@ -97,3 +102,65 @@ def triton_fused_attention(query: torch.Tensor, key, value, attention_mask: torc
     mask = None if attention_mask is None else attention_mask[..., -kv_len:]
     return decode.launch_decode_attention(query, scaling, quantized=region, exact=segments, attention_mask=mask,
                                           kv_len=kv_len)
+
+
+def _native_part(kv) -> cpu_attention.QuantizedPart:
+    """The quantized part of a :class:`~hf_asymkv.core.kv_view.QuantizedKV` with its layout's constants (plane widths,
+    storage offset) for the native kernel."""
+    spec, wide, offset = kv.spec, kv.wide, storage_offset(kv.spec)
+    return cpu_attention.QuantizedPart(
+        kv.codes.data, kv.scale, kv.zero, spec.bits, plane_widths(spec.bits), kv.codes.layout == "tokens", offset,
+        None if wide is None else wide.bits, None if wide is None else wide.channels, offset if wide else 0)
+
+
+def _native_refused(key, value) -> str | None:
+    """What of a layer's storage the native kernel does not read (its own checks follow), or None."""
+    if key.spec.is_float or key.spec.rotated:
+        return f"{key.spec.fmt} keys" + (", rotated" if key.spec.rotated else "")
+    if value.spec.granularity != "token":
+        return f"values with scales per {value.spec.granularity!r}"
+    blocks = {key.spec.block_size, value.spec.block_size, *(kv.codes.block_size for kv in (key, value)
+                                                             if kv.codes.layout == "tokens")}
+    return f"blocks of {sorted(blocks)} tokens" if len(blocks) > 1 else None
+
+
+def _native_exact(key, value) -> list[cpu_attention.ExactPart]:
+    """Sinks, window and left-padded rows' overlaid sinks as the native kernel's exact parts."""
+    ns, n = key.n_prefix, key.n_quantized
+    parts = [cpu_attention.ExactPart(key.prefix, value.prefix, 0)] if ns else []
+    parts.append(cpu_attention.ExactPart(key.tail, value.tail, ns + n))
+    overlay = key.overlay if n else None
+    if overlay is not None:
+        parts.append(cpu_attention.ExactPart(overlay.tokens, value.overlay.tokens, positions=overlay.positions.contiguous(),
+                                             valid=overlay.valid.contiguous()))
+    return parts
+
+
+def native_fused_attention(query: torch.Tensor, key, value, attention_mask: torch.Tensor | None, scaling: float,
+                           refused: str | None) -> torch.Tensor | None:
+    """The fused attention on the native CPU kernel (``[B, q, Hq, D]``) when ``HF_ASYMKV_ATTENTION_BACKEND`` and the
+    call say so, else None (the caller then takes the torch implementation). Arguments as
+    :func:`triton_fused_attention`.
+
+    Raises:
+        ValueError: ``HF_ASYMKV_ATTENTION_BACKEND=native`` and the kernel cannot serve the call.
+    """
+    if requested_backend() not in ("auto", "native"):
+        return None
+    b, hq, q_len, d = query.shape
+    h = key.tail.shape[1]
+    kv_len = key.shape[2]
+    rows = (query.float() * scaling).reshape(b, h, hq // h * q_len, d).contiguous()
+    mask = None if attention_mask is None else attention_mask[..., -kv_len:]
+    if mask is not None and mask.dtype not in (torch.bool, torch.float32):
+        mask = mask.float()
+    keys, values, exact = _native_part(key), _native_part(value), _native_exact(key, value)
+    problem = refused or _native_refused(key, value)
+    if problem is None:
+        problem = cpu_attention.problem(rows, keys, values, key.spec.block_size, exact, mask)
+    if not use_native(query.device, problem):
+        return None
+    hadamard = hadamard_block(d) if value.spec.rotated else 0
+    out = cpu_attention.decode_attention(rows, q_len=q_len, keys=keys, values=values, block=key.spec.block_size,
+                                         column=key.n_prefix, hadamard=hadamard, exact=exact, mask=mask, kv_len=kv_len)
+    return out.view(b, h, hq // h, q_len, d).reshape(b, hq, q_len, d).transpose(1, 2).to(query.dtype).contiguous()

@@ -1,10 +1,12 @@
 """Which implementation runs the fused attention over quantized K/V: ``HF_ASYMKV_ATTENTION_BACKEND``.
 
 - ``auto`` (default): the Triton kernel for CUDA tensors when Triton is installed and the kernel serves the
-  request, the torch implementation otherwise;
+  request; the native kernel (:mod:`.cpu_attention`) for CPU tensors when it builds and serves the request; the
+  torch implementation otherwise;
 - ``triton``: the Triton kernel, or an error that says what is missing (Triton itself, a device it runs on,
   a feature of the request). CPU tensors run it under Triton's interpreter (``TRITON_INTERPRET=1``, set before
   Triton is imported): that is how the kernels are tested without a GPU;
+- ``native``: the native CPU kernel, or an error that says why it cannot serve the call;
 - ``torch``: the torch implementation (:func:`hf_asymkv.core.attention.fused_attention`).
 
 This module imports neither Triton nor the core.
@@ -19,10 +21,11 @@ import torch
 
 from . import env_choice
 
-__all__ = ["BACKENDS", "ENV_VAR", "choose_backend", "requested_backend", "triton_problem", "triton_version"]
+__all__ = ["BACKENDS", "ENV_VAR", "choose_backend", "requested_backend", "triton_problem", "triton_version",
+           "use_native"]
 
 ENV_VAR = "HF_ASYMKV_ATTENTION_BACKEND"
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "native")
 INSTALL_HINT = "pip install 'hf-asymkv[gpu]'"
 
 
@@ -69,7 +72,7 @@ def choose_backend(device: torch.device, request_problem: str | None) -> str:
             unknown backend name.
     """
     backend = requested_backend()
-    if backend == "torch" or backend == "auto" and device.type != "cuda":
+    if backend in ("torch", "native") or backend == "auto" and device.type != "cuda":
         return "torch"
     problem = triton_problem(device) or request_problem
     if backend == "auto":
@@ -79,3 +82,22 @@ def choose_backend(device: torch.device, request_problem: str | None) -> str:
         raise error(f"{ENV_VAR}=triton cannot serve this attention call: {problem}. Unset it (or set 'auto') to "
                     "fall back to the torch implementation.")
     return "triton"
+
+
+def use_native(device: torch.device, problem: str | None) -> bool:
+    """Whether the native CPU kernel runs one fused-attention call (``problem``: what of the call it cannot serve, a
+    phrase, or None); ``auto`` takes it for CPU tensors it serves.
+
+    Raises:
+        ValueError: ``native`` was asked for and it cannot serve the call (the message says why), or an unknown
+            backend name.
+    """
+    backend = requested_backend()
+    if backend not in ("auto", "native"):
+        return False
+    if device.type != "cpu":
+        problem = f"the native kernel runs on CPU tensors; these are on {device.type!r}"
+    if backend == "native" and problem is not None:
+        raise ValueError(f"{ENV_VAR}=native cannot serve this attention call: {problem}. Unset it (or set 'auto') to "
+                         "fall back to the torch implementation.")
+    return problem is None

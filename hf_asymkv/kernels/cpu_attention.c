@@ -77,11 +77,13 @@ typedef struct {
 
 typedef float v8sf __attribute__((vector_size(32)));
 typedef int32_t v8si __attribute__((vector_size(32)));
-typedef int8_t v8qi __attribute__((vector_size(8)));
-typedef uint8_t v8qu __attribute__((vector_size(8)));
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define ASYMKV_AVX2 1 /* the hot loops below in AVX2 intrinsics; plain vector code elsewhere */
+#endif
 
 static inline v8sf fma8(v8sf a, v8sf b, v8sf c) {
-#if defined(__FMA__)
+#ifdef ASYMKV_AVX2
     return (v8sf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
@@ -98,17 +100,39 @@ static inline v8sf load8(const float *p) {
 
 static inline void store8(float *p, v8sf v) { memcpy(p, &v, sizeof v); }
 
-static inline v8sf s8_to_f(const int8_t *p) {
-    v8qi x;
-    memcpy(&x, p, sizeof x);
-    return __builtin_convertvector(x, v8sf);
+static inline v8sf select8(v8si which, v8sf a, v8sf b) { return (v8sf)((which & (v8si)a) | (~which & (v8si)b)); }
+
+/* 8 codes (one byte each, signed or unsigned) as float32 */
+static inline v8sf codes8(const int8_t *p, int unsigned_codes) {
+#ifdef ASYMKV_AVX2
+    __m128i x = _mm_loadl_epi64((const __m128i *)p);
+    return (v8sf)_mm256_cvtepi32_ps(unsigned_codes ? _mm256_cvtepu8_epi32(x) : _mm256_cvtepi8_epi32(x));
+#else
+    v8sf f;
+    for (int i = 0; i < 8; i++) f[i] = unsigned_codes ? (float)((const uint8_t *)p)[i] : (float)p[i];
+    return f;
+#endif
 }
 
-static inline v8sf u8_to_f(const uint8_t *p) {
-    v8qu x;
-    memcpy(&x, p, sizeof x);
-    return __builtin_convertvector(x, v8sf);
+/* (sum of a, sum of b, sum of c, sum of e): four dot products' partial sums reduced at once */
+static inline v8sf reduce4(v8sf a, v8sf b, v8sf c, v8sf e) {
+#ifdef ASYMKV_AVX2
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a, (__m256)b), _mm256_hadd_ps((__m256)c, (__m256)e));
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    return (v8sf)_mm256_castps128_ps256(sum); /* lanes 0-3 */
+#else
+    v8sf out = splat(0.0f);
+    for (int i = 0; i < 8; i++) {
+        out[0] += a[i];
+        out[1] += b[i];
+        out[2] += c[i];
+        out[3] += e[i];
+    }
+    return out;
+#endif
 }
+
+static inline v8sf max8(v8sf a, v8sf b) { return select8(a > b, a, b); }
 
 static inline float hsum8(v8sf v) {
     float s = 0.0f;
@@ -124,8 +148,6 @@ static inline float hmax8(v8sf v) {
 
 /* exp(x) for 8 lanes: 2^n * e^f with |f| <= ln2 / 2, a degree-6 polynomial (about 2 ulp); exactly 0 below -87.3
  * (x = -inf among them), so masked tokens weigh nothing. */
-static inline v8sf select8(v8si which, v8sf a, v8sf b) { return (v8sf)((which & (v8si)a) | (~which & (v8si)b)); }
-
 static inline v8sf exp8(v8sf x) {
     const v8sf lo = splat(-87.3f), hi = splat(88.3f);
     v8si keep = x >= lo;
@@ -263,12 +285,24 @@ static const int8_t *block_codes(const asymkv_codes *c, int64_t b, int64_t h, in
     return scratch;
 }
 
-/* codes[0:d] as float32 */
-static inline void codes_to_float(const int8_t *restrict code, int unsigned_codes, int64_t d, float *restrict row) {
-    if (unsigned_codes)
-        for (int64_t c = 0; c < d; c += 8) store8(row + c, u8_to_f((const uint8_t *)code + c));
-    else
-        for (int64_t c = 0; c < d; c += 8) store8(row + c, s8_to_f(code + c));
+/* n scales or zeros from `base` + i as float32 (half precision: F16C where the CPU has it) */
+static void meta_to_float(const void *base, int64_t i, int64_t n, int64_t kind, float *restrict out) {
+    if (kind == META_F32) {
+        memcpy(out, (const float *)base + i, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)base + i;
+    int64_t e = 0;
+#if defined(__F16C__)
+    if (kind == META_F16)
+        for (; e + 8 <= n; e += 8) _mm256_storeu_ps(out + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
+#endif
+    if (kind == META_BF16)
+        for (; e < n; e++) {
+            uint32_t bits = (uint32_t)h[e] << 16;
+            memcpy(out + e, &bits, sizeof bits);
+        }
+    for (; e < n; e++) out[e] = half_to_float(h[e]);
 }
 
 /* ---------------------------------------------------------------------------------------------------- state */
@@ -280,9 +314,12 @@ typedef struct { /* one run's online softmax: rows R, head_dim D */
 } run_state;
 
 typedef struct { /* per-thread scratch, sized by the block, never by the context */
-    int8_t *key_codes, *value_codes; /* [block, D] */
+    int8_t *key_codes, *value_codes; /* [block, D] unpacked sub-byte codes */
+    v8si *wide_mask;                 /* [block, wide slots / 8] which wide slots have their high bit set */
     float *qs, *bias, *wide_q;       /* [R, D], [R], [R, wide slots] */
     float *scores;                   /* [R, max(block, EXACT_CHUNK)] */
+    float *weights;                  /* [R, block] value weights p * s of one channel group */
+    float *value_scale, *value_zero; /* [block, groups] */
     float *row;                      /* [D] */
 } scratch;
 
@@ -325,7 +362,13 @@ static int online_softmax(const asymkv_attention *p, run_state *s, float *scores
     int any = 0;
     for (int64_t r = 0; r < p->rows; r++) {
         float *row = scores + r * ld, top = -INFINITY;
-        for (int64_t t = 0; t < count; t++) top = row[t] > top ? row[t] : top;
+        int64_t t = 0;
+        if (count >= 8) {
+            v8sf most = load8(row);
+            for (t = 8; t + 8 <= count; t += 8) most = max8(most, load8(row + t));
+            for (int i = 0; i < 8; i++) top = most[i] > top ? most[i] : top;
+        }
+        for (; t < count; t++) top = row[t] > top ? row[t] : top;
         if (top == -INFINITY) { /* nothing visible in this row: weights 0 */
             memset(row, 0, (size_t)count * sizeof(float));
             continue;
@@ -342,8 +385,7 @@ static int online_softmax(const asymkv_attention *p, run_state *s, float *scores
             }
         }
         v8sf m = splat(s->m[r]), total = splat(0.0f);
-        int64_t t = 0;
-        for (; t + 8 <= count; t += 8) {
+        for (t = 0; t + 8 <= count; t += 8) {
             v8sf e = exp8(load8(row + t) - m);
             store8(row + t, e);
             total += e;
@@ -392,64 +434,178 @@ static void fold_key_block(const asymkv_attention *p, const float *q, int64_t b,
     }
 }
 
-/* The wide channels' share of one token's score for row r: sum of wq over the slots whose high bit is set. */
-static inline v8sf wide_share(const uint8_t *restrict high, const float *restrict wq, int64_t slots) {
+/* Per token of the block, which of its wide slots have the high bit set: masks [count, slots / 8] of 8 lanes. */
+static void wide_masks(const uint8_t *restrict high, int64_t count, int64_t bytes, int64_t slots, v8si *restrict out) {
     const v8si select = {1, 2, 4, 8, 16, 32, 64, 128};
-    v8sf acc = splat(0.0f);
-    for (int64_t j = 0; j < slots; j += 8) {
-        v8si set = (v8si){high[j / 8], high[j / 8], high[j / 8], high[j / 8], high[j / 8], high[j / 8], high[j / 8],
-                          high[j / 8]} &
-                   select;
-        acc += (v8sf)((v8si)load8(wq + j) & (set != 0));
-    }
-    return acc;
+    for (int64_t t = 0; t < count; t++)
+        for (int64_t j = 0; j < slots / 8; j++) {
+            int32_t byte = high[t * bytes + j];
+            out[t * (slots / 8) + j] = ((v8si){byte, byte, byte, byte, byte, byte, byte, byte} & select) != 0;
+        }
 }
+
+/* Scores of `count` tokens (count a multiple of 4) for ROWS (<= 3) query rows: 4 tokens x ROWS rows of partial dot
+ * products in registers, each token's codes converted once per tile, the wide slots' share added before the reduction.
+ *   codes [count, d] bytes; qs [ROWS, d]; wq [ROWS, vectors * 8] and masks [count, vectors] (vectors 0: no wide). */
+#define KEY_TILE(ROWS)                                                                                         \
+    static void key_tile_##ROWS(const int8_t *restrict codes, int unsigned_codes, int64_t d, int64_t count,   \
+                                const float *restrict qs, const float *restrict bias, const float *restrict wq, \
+                                const v8si *restrict masks, int64_t vectors, float *restrict scores, int64_t ld) { \
+        for (int64_t t = 0; t < count; t += 4) {                                                                \
+            const int8_t *k = codes + t * d;                                                                    \
+            v8sf a[ROWS][4];                                                                                    \
+            for (int i = 0; i < ROWS; i++)                                                                      \
+                a[i][0] = a[i][1] = a[i][2] = a[i][3] = splat(0.0f);                                            \
+            for (int64_t c = 0; c < d; c += 8) {                                                                \
+                v8sf k0 = codes8(k + c, unsigned_codes), k1 = codes8(k + d + c, unsigned_codes);                \
+                v8sf k2 = codes8(k + 2 * d + c, unsigned_codes), k3 = codes8(k + 3 * d + c, unsigned_codes);    \
+                for (int i = 0; i < ROWS; i++) {                                                                \
+                    v8sf x = load8(qs + i * d + c);                                                             \
+                    a[i][0] = fma8(x, k0, a[i][0]);                                                             \
+                    a[i][1] = fma8(x, k1, a[i][1]);                                                             \
+                    a[i][2] = fma8(x, k2, a[i][2]);                                                             \
+                    a[i][3] = fma8(x, k3, a[i][3]);                                                             \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int64_t v = 0; v < vectors; v++)                                                               \
+                for (int i = 0; i < ROWS; i++) {                                                                \
+                    v8si slot = (v8si)load8(wq + i * vectors * 8 + v * 8);                                      \
+                    for (int j = 0; j < 4; j++) a[i][j] += (v8sf)(slot & masks[(t + j) * vectors + v]);         \
+                }                                                                                               \
+            for (int i = 0; i < ROWS; i++) {                                                                    \
+                v8sf sum = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);                                         \
+                for (int j = 0; j < 4; j++) scores[i * ld + t + j] = sum[j] + bias[i];                          \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+KEY_TILE(1)
+KEY_TILE(2)
+KEY_TILE(3)
 
 /* Scores [R, ld] of the `count` tokens of key block `blk` (tokens [first, first + count)). */
 static void key_block_scores(const asymkv_attention *p, const float *q, int64_t b, int64_t h, int64_t blk,
                              int64_t first, int64_t count, scratch *w, float *scores, int64_t ld) {
     const asymkv_codes *k = &p->keys;
-    int64_t d = p->head_dim, slots = (k->wide_count + 7) / 8 * 8;
+    int64_t d = p->head_dim, slots = (k->wide_count + 7) / 8 * 8, vectors = slots / 8, tiled = count / 4 * 4;
     int unsigned_codes;
     fold_key_block(p, q, b, h, blk, w);
     const int8_t *codes = block_codes(k, b, h, first, count, d, w->key_codes, &unsigned_codes);
-    const uint8_t *high = k->wide_bits ? k->wide_bits + b * k->wide_bits_stride_b + h * k->wide_bits_stride_h +
-                                             first * k->wide_bytes
-                                       : 0;
-    float *row = w->row;
-    for (int64_t t = 0; t < count; t++) {
-        codes_to_float(codes + t * d, unsigned_codes, d, row);
+    if (k->wide_bits)
+        wide_masks(k->wide_bits + b * k->wide_bits_stride_b + h * k->wide_bits_stride_h + first * k->wide_bytes,
+                   count, k->wide_bytes, slots, w->wide_mask);
+    for (int64_t r = 0; r < p->rows; r += 3) {
+        int64_t n = p->rows - r < 3 ? p->rows - r : 3;
+        const float *qs = w->qs + r * d, *bias = w->bias + r, *wq = w->wide_q + r * slots;
+        float *out = scores + r * ld;
+        if (n == 3)
+            key_tile_3(codes, unsigned_codes, d, tiled, qs, bias, wq, w->wide_mask, vectors, out, ld);
+        else if (n == 2)
+            key_tile_2(codes, unsigned_codes, d, tiled, qs, bias, wq, w->wide_mask, vectors, out, ld);
+        else
+            key_tile_1(codes, unsigned_codes, d, tiled, qs, bias, wq, w->wide_mask, vectors, out, ld);
+    }
+    for (int64_t t = tiled; t < count; t++) { /* blocks of a few tokens (not a multiple of 4) */
+        float row[MAX_HEAD_DIM];
+        for (int64_t c = 0; c < d; c++) row[c] = unsigned_codes ? (float)((const uint8_t *)codes)[t * d + c]
+                                                                : (float)codes[t * d + c];
         for (int64_t r = 0; r < p->rows; r++) {
-            const float *qs = w->qs + r * d;
-            v8sf acc = high ? wide_share(high + t * k->wide_bytes, w->wide_q + r * slots, slots) : splat(0.0f);
-            for (int64_t c = 0; c < d; c += 8) acc = fma8(load8(qs + c), load8(row + c), acc);
-            scores[r * ld + t] = hsum8(acc) + w->bias[r];
+            float sum = w->bias[r];
+            for (int64_t c = 0; c < d; c++) sum += w->qs[r * d + c] * row[c];
+            for (int64_t j = 0; j < slots; j++)
+                sum += w->wide_mask[t * vectors + j / 8][j % 8] ? w->wide_q[r * slots + j] : 0.0f;
+            scores[r * ld + t] = sum;
         }
     }
 }
 
-/* Value codes of tokens [first, first + count) mixed with weights [R, ld] into s->quant. */
+/* acc[ROWS][2] += sum over tokens of weights[row][t] * codes[t][c0 : c0 + 8 * lanes], lanes 1 or 2 vectors: the value
+ * mix of `ROWS` query rows over one tile of channels, the accumulators held in registers. */
+#define MIX_TILE(ROWS)                                                                                         \
+    static void mix_tile_##ROWS(const int8_t *restrict codes, int unsigned_codes, int64_t d, int64_t count,  \
+                                const float *restrict weights, int64_t ld, float *restrict acc, int lanes) {   \
+        v8sf a[ROWS][2];                                                                                        \
+        for (int i = 0; i < ROWS; i++) {                                                                        \
+            a[i][0] = load8(acc + i * d);                                                                       \
+            a[i][1] = lanes == 2 ? load8(acc + i * d + 8) : splat(0.0f);                                        \
+        }                                                                                                       \
+        if (lanes == 2)                                                                                         \
+            for (int64_t t = 0; t < count; t++) {                                                               \
+                v8sf c0 = codes8(codes + t * d, unsigned_codes), c1 = codes8(codes + t * d + 8, unsigned_codes); \
+                for (int i = 0; i < ROWS; i++) {                                                                \
+                    v8sf x = splat(weights[i * ld + t]);                                                        \
+                    a[i][0] = fma8(x, c0, a[i][0]);                                                             \
+                    a[i][1] = fma8(x, c1, a[i][1]);                                                             \
+                }                                                                                               \
+            }                                                                                                   \
+        else                                                                                                    \
+            for (int64_t t = 0; t < count; t++) {                                                               \
+                v8sf c0 = codes8(codes + t * d, unsigned_codes);                                                \
+                for (int i = 0; i < ROWS; i++) a[i][0] = fma8(splat(weights[i * ld + t]), c0, a[i][0]);         \
+            }                                                                                                   \
+        for (int i = 0; i < ROWS; i++) {                                                                        \
+            store8(acc + i * d, a[i][0]);                                                                       \
+            if (lanes == 2)                                                                                     \
+                store8(acc + i * d + 8, a[i][1]);                                                               \
+        }                                                                                                       \
+    }
+MIX_TILE(1)
+MIX_TILE(2)
+MIX_TILE(3)
+MIX_TILE(4)
+
+/* The weights p_t s_t of one channel group (scale, zero: [count, groups] from the group's column), and its zero term
+ * sum_t p_t z_t added to the group's `cg` accumulators `acc`. */
+static void group_weights(const float *restrict probs, const float *restrict scale, const float *restrict zero,
+                          int64_t groups, int64_t count, float *restrict weights, float *restrict acc, int64_t cg) {
+    v8sf zsum = splat(0.0f);
+    int64_t t = 0;
+    if (groups == 1)
+        for (; t + 8 <= count; t += 8) {
+            v8sf pt = load8(probs + t);
+            store8(weights + t, pt * load8(scale + t));
+            if (zero)
+                zsum = fma8(pt, load8(zero + t), zsum);
+        }
+    float total = hsum8(zsum);
+    for (; t < count; t++) {
+        weights[t] = probs[t] * scale[t * groups];
+        if (zero)
+            total += probs[t] * zero[t * groups];
+    }
+    if (total != 0.0f)
+        for (int64_t c = 0; c < cg; c++) acc[c] += total;
+}
+
+/* Value codes of tokens [first, first + count) mixed with the softmax weights p [R, ld] into s->quant: per channel
+ * group, weights p * s_t and the zero term sum_t p_t z_t, then tiles of up to 4 rows x 16 channels. */
 static void value_block_mix(const asymkv_attention *p, int64_t b, int64_t h, int64_t first, int64_t count,
-                            const float *weights, int64_t ld, scratch *w, run_state *s) {
+                            const float *probs, int64_t ld, scratch *w, run_state *s) {
     const asymkv_codes *v = &p->values;
     int64_t d = p->head_dim, cg = v->channel_group, groups = d / cg, rows = p->rows;
     int unsigned_codes;
     const int8_t *codes = block_codes(v, b, h, first, count, d, w->value_codes, &unsigned_codes);
     int64_t meta = b * v->meta_stride_b + h * v->meta_stride_h + first * groups;
-    float *row = w->row;
-    for (int64_t t = 0; t < count; t++) {
-        codes_to_float(codes + t * d, unsigned_codes, d, row);
-        for (int64_t g = 0; g < groups; g++) {
-            float scale = load_meta(v->scale, meta + t * groups + g, v->meta_kind);
-            float zero = v->zero ? load_meta(v->zero, meta + t * groups + g, v->meta_kind) : 0.0f;
-            for (int64_t r = 0; r < rows; r++) {
-                float pt = weights[r * ld + t];
-                if (pt == 0.0f)
-                    continue;
-                v8sf a = splat(pt * scale), z = splat(pt * zero);
-                float *acc = s->quant + r * d + g * cg;
-                for (int64_t c = 0; c < cg; c += 8)
-                    store8(acc + c, fma8(a, load8(row + g * cg + c), load8(acc + c) + z));
+    meta_to_float(v->scale, meta, count * groups, v->meta_kind, w->value_scale);
+    if (v->zero)
+        meta_to_float(v->zero, meta, count * groups, v->meta_kind, w->value_zero);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t r = 0; r < rows; r++)
+            group_weights(probs + r * ld, w->value_scale + g, v->zero ? w->value_zero + g : 0, groups, count,
+                          w->weights + r * count, s->quant + r * d + g * cg, cg);
+        for (int64_t r = 0; r < rows; r += 4) {
+            int64_t n = rows - r < 4 ? rows - r : 4;
+            for (int64_t c = g * cg; c < (g + 1) * cg; c += 16) {
+                int lanes = c + 16 <= (g + 1) * cg ? 2 : 1;
+                const float *weights = w->weights + r * count;
+                float *acc = s->quant + r * d + c;
+                if (n == 4)
+                    mix_tile_4(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
+                else if (n == 3)
+                    mix_tile_3(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
+                else if (n == 2)
+                    mix_tile_2(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
+                else
+                    mix_tile_1(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
             }
         }
     }
@@ -572,25 +728,36 @@ static void merge_runs(const asymkv_attention *p, int64_t bh, float *partials, i
 /* ---------------------------------------------------------------------------------------------------- entry */
 
 static int scratch_alloc(const asymkv_attention *p, scratch *w) {
-    int64_t d = p->head_dim, bs = p->block_size, rows = p->rows, slots = (p->keys.wide_count + 7) / 8 * 8 + 8;
-    int64_t ld = bs > EXACT_CHUNK ? bs : EXACT_CHUNK;
-    w->key_codes = malloc((size_t)(bs * d + 64));
-    w->value_codes = malloc((size_t)(bs * d + 64));
+    int64_t d = p->head_dim, bs = p->block_size > 0 ? p->block_size : 1, rows = p->rows;
+    int64_t slots = (p->keys.wide_count + 7) / 8 * 8, ld = bs > EXACT_CHUNK ? bs : EXACT_CHUNK;
+    int64_t groups = d / (p->values.channel_group > 0 ? p->values.channel_group : d);
+    memset(w, 0, sizeof *w);
+    w->key_codes = malloc((size_t)(bs * d));
+    w->value_codes = malloc((size_t)(bs * d));
+    w->wide_mask = aligned_alloc(32, (size_t)(bs * (slots / 8) + 1) * sizeof(v8si));
     w->qs = malloc((size_t)(rows * d) * sizeof(float));
     w->bias = malloc((size_t)rows * sizeof(float));
-    w->wide_q = malloc((size_t)(rows * slots) * sizeof(float));
+    w->wide_q = malloc((size_t)(rows * slots + 8) * sizeof(float));
     w->scores = malloc((size_t)(rows * ld) * sizeof(float));
+    w->weights = malloc((size_t)(rows * bs) * sizeof(float));
+    w->value_scale = malloc((size_t)(bs * groups) * sizeof(float));
+    w->value_zero = malloc((size_t)(bs * groups) * sizeof(float));
     w->row = malloc((size_t)d * sizeof(float));
-    return w->key_codes && w->value_codes && w->qs && w->bias && w->wide_q && w->scores && w->row;
+    return w->key_codes && w->value_codes && w->wide_mask && w->qs && w->bias && w->wide_q &&
+           w->scores && w->weights && w->value_scale && w->value_zero && w->row;
 }
 
 static void scratch_free(scratch *w) {
     free(w->key_codes);
     free(w->value_codes);
+    free(w->wide_mask);
     free(w->qs);
     free(w->bias);
     free(w->wide_q);
     free(w->scores);
+    free(w->weights);
+    free(w->value_scale);
+    free(w->value_zero);
     free(w->row);
 }
 

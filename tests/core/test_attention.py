@@ -194,6 +194,8 @@ def test_long_queries_take_the_dense_path(monkeypatch, q_len, fused_expected):
 
     calls = []
     monkeypatch.setattr(attention_mod, "fused_attention", lambda *a, **k: calls.append(1) or fused_attention(*a, **k))
+    native = attention_mod.native_fused_attention  # the CPU kernel, the default fused path on CPU
+    monkeypatch.setattr(attention_mod, "native_fused_attention", lambda *a, **k: calls.append(1) or native(*a, **k))
     layer, g = _filled_layer(*SPECS[0][1:])
     key, value = layer.update(*torch.randn(2, 1, 2, q_len, 16, generator=g))
     q = torch.randn(1, 4, q_len, 16, generator=g)

@@ -47,11 +47,11 @@ def test_requested_backend(monkeypatch, value, expected):
 
 def test_unknown_backend_is_refused(monkeypatch):
     monkeypatch.setenv(ENV, "cuda")
-    with pytest.raises(ValueError, match=r"HF_ASYMKV_ATTENTION_BACKEND='cuda'.*allowed: \['auto', 'triton', 'torch'\]"):
+    with pytest.raises(ValueError, match=r"HF_ASYMKV_ATTENTION_BACKEND='cuda'.*allowed: \['auto', 'triton', 'torch', 'native'\]"):
         backend.choose_backend(torch.device("cpu"), None)
 
 
-@pytest.mark.parametrize("requested", ["auto", "torch"])
+@pytest.mark.parametrize("requested", ["auto", "torch", "native"])
 def test_cpu_tensors_take_torch_unless_triton_is_forced(monkeypatch, requested):
     monkeypatch.setenv(ENV, requested)
     assert backend.choose_backend(torch.device("cpu"), None) == "torch"
