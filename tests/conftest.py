@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import os
 import random
+import re
 from pathlib import Path
 
 # The Triton kernels are tested under Triton's interpreter on CPU tensors (tests/kernels). Triton decides between
@@ -108,6 +109,39 @@ def save_tiny_model(folder: Path, kind: str = "llama") -> Path:
     return folder
 
 
+SLOW_TWIN = re.compile(r"tests/[\w/]+\.py::\w+")
+"""How a ``slow`` marker's reason names the fast test of the same promise (``tests/core/test_x.py::test_y``)."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the slow tier (tests marked `slow`); RUN_SLOW=1 does the same. "
+                          "`-m slow --slow` runs the slow tier alone.")
+
+
+def run_slow(config) -> bool:
+    """Whether the slow tier runs: ``--slow`` or ``RUN_SLOW`` set to anything but ``0``/``false``/empty (the
+    convention transformers uses)."""
+    return config.getoption("--slow") or os.environ.get("RUN_SLOW", "").lower() not in ("", "0", "false", "no")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Two tiers: the fast tier runs by default; a test marked ``slow`` runs with ``--slow``/``RUN_SLOW=1`` (CI runs
+    it after the fast tier). Every ``slow`` marker says why, naming the fast test that checks the same promise
+    (``reason="... tests/core/test_x.py::test_y ..."``): a marker without one stops the run here."""
+    bare = sorted({item.nodeid.split("[")[0] for item in items
+                   if (mark := item.get_closest_marker("slow")) and not SLOW_TWIN.search(mark.kwargs.get("reason", ""))})
+    if bare:
+        raise pytest.UsageError("tests marked slow without a reason naming their fast twin "
+                                "(reason='... tests/<path>.py::<test> ...'): " + ", ".join(bare))
+    if run_slow(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     """One hypothesis seed per session, drawn here unless ``--hypothesis-seed`` was given: printed in the header
@@ -117,7 +151,8 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"hypothesis seed: {config.getoption('hypothesis_seed')} (rerun with --hypothesis-seed=N)"
+    tier = "fast and slow tiers" if run_slow(config) else "fast tier (the slow tier runs with --slow or RUN_SLOW=1)"
+    return [f"hypothesis seed: {config.getoption('hypothesis_seed')} (rerun with --hypothesis-seed=N)", f"tests: {tier}"]
 
 
 @pytest.hookimpl(hookwrapper=True)

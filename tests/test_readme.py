@@ -158,7 +158,8 @@ def _quick_start() -> str:
     return re.search(r"## Quick start on your own model\n.*?```python\n(.*?)```", README, re.S).group(1)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the quick start on the 135M default model; fast twin: "
+                         "tests/test_readme.py::test_the_ratios_the_quick_start_quotes")
 def test_quick_start_runs_on_the_default_model(capsys, single_thread):
     """The README's quick start, as written, on the embedded model (``long_text`` is the one name it leaves to the
     reader): it retrieves a fact from the quantized history, and the cache is smaller than a DynamicCache."""

@@ -11,7 +11,13 @@ from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.evals.tasks import make_needle_prompt, score_answer
 from hf_asymkv.models import ModelNotAvailableError, load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(reason="the 135M model, 2k-4k-token prefills (~40 s of CPU); fast twins on the tiny "
+                                     "models and SmolLM2's attention shape: "
+                                     "tests/core/test_cache.py::test_small_window_greedy_close_to_dynamic (quantized "
+                                     "history, DynamicCache's tokens), "
+                                     "tests/test_readme.py::test_the_ratios_the_quick_start_quotes (bytes at 4096), "
+                                     "tests/core/test_cache.py::test_a_prefill_leaves_what_the_footprint_reports, "
+                                     "tests/core/test_cache.py::test_short_prompts_cost_no_more_than_a_dynamic_cache")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from helpers import check_generate_compile, first_layers
 STEPS = 32
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="generate's compile on the default model's first 2 layers; fast twin: "
+                         "tests/core/test_static.py::test_layers_are_compileable_and_generate_would_compile")
 @pytest.mark.parametrize("attention", ["sdpa", "asymkv_sdpa"])
 def test_default_model_compiled_decode_equals_eager(attention):
     from hf_asymkv import register_attention

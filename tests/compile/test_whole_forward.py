@@ -61,7 +61,8 @@ def _locker_prompt(tokenizer) -> torch.Tensor:
                                          return_dict=True)["input_ids"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a cold inductor compile of the default model's layer shapes; fast twin: "
+                         "tests/core/test_static.py::test_layers_are_compileable_and_generate_would_compile")
 def test_default_model_one_layer(default_model):
     """The default model's shapes (head_dim 64, 3 KV heads of 9 query heads), one layer, ``max`` (the preset with the
     most parts: wide key channels, 1-bit values). Every preset compiles the same code on the tiny Llama above; a
@@ -71,7 +72,8 @@ def test_default_model_one_layer(default_model):
     check_whole_forward(first_layers(model, 1), torch.randint(3, 2000, (1, 40), generator=g), "max", STEPS, **SMALL)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="compiles all 30 layers of the default model; fast twin: "
+                         "tests/core/test_static.py::test_static_generates_the_dynamic_tokens_and_blocks")
 def test_default_model_all_layers_answers_as_eager(default_model):
     """The issue's case as a user meets it: all 30 layers, ``balanced`` as shipped, ``max_cache_len=128``, the locker
     prompt. Eager answers "4417."; the compiled prefill must give its logits and its 40 tokens."""

@@ -178,7 +178,8 @@ def default_model():
     return load_model()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="kvpress's pipeline on the default model; fast twin: "
+                         "tests/integrations/test_kvpress.py::test_a_press_with_balanced_and_a_wide_window_equals_the_press_on_dynamic_cache")
 @pytest.mark.parametrize("press", [lambda: kvpress.KnormPress(0.5), lambda: kvpress.AdaKVPress(kvpress.SnapKVPress(0.5))],
                          ids=["knorm", "adakv_head_wise"])
 def test_the_pipeline_answers_several_questions_on_our_cache(default_model, press):
@@ -205,7 +206,8 @@ def test_the_pipeline_answers_several_questions_on_our_cache(default_model, pres
     assert compact.get_seq_length() == reference.get_seq_length()  # the context after the press (AdaKV: all of it)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="`eval press` on the default model; fast twin: "
+                         "tests/evals/test_press_eval.py::test_the_summary_adds_bytes_per_length_exact_share_and_flips")
 def test_eval_press_writes_its_table(tmp_path, default_model, monkeypatch):
     """``hf-asymkv eval press`` on one short prompt: every configuration, bytes against a bf16 DynamicCache; with
     ``--window 96`` the same configurations, named so, more bytes held exact."""
