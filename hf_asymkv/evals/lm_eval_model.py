@@ -97,7 +97,7 @@ class SchemeLM(HFLM):
                 where = f"{request.task_name} request {n}/{len(requests)}"
                 split = self._question_start(request, context, ids, max_new) if any(
                     v.endswith(f"@{QUESTION}") for v in missing) else None
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 tokens = generate_per_scheme(self.model, ids.to(input_device(self.model)), missing, max_new,
                                              stop=lambda: self._stop_check(until, expected),
                                              tick=self.tick and (lambda s, where=where: self.tick(f"{where}, {s}")),
@@ -105,7 +105,8 @@ class SchemeLM(HFLM):
                 self.store.add(key, request, {s: {"text": self._answer_text(t, until), "tokens": len(t)}
                                               for s, t in tokens.items()},
                                {"prompt_tokens": ids.shape[1], "question_tokens": ids.shape[1] - split if split else None,
-                                "seconds": round(time.perf_counter() - start, 1)})
+                                "seconds": round(time.perf_counter() - start, 1),
+                                "cpu_seconds": round(time.process_time() - cpu, 1)})
             answers.append(self.store.get(key, self.scheme)["text"])
         return answers
 
