@@ -14,7 +14,6 @@ from .args import (
     add_model_args,
     add_threads_arg,
     at_least,
-    command_line,
     existing_file,
     input_arg,
     load_model_from_args,
@@ -44,6 +43,7 @@ def _read_messages(path: str) -> list:
 
 def _cmd_prompt_cache(args) -> int:
     import json
+    import shlex
     from pathlib import Path
 
     from ..bench.prompt_cache import format_report, run_prompt_cache
@@ -57,17 +57,18 @@ def _cmd_prompt_cache(args) -> int:
     set_threads(args.threads)
     model, tokenizer = load_model_from_args(args)
     source = args.text or args.messages
+    command = shlex.join(["hf-asymkv", *args.argv])  # quoted: questions hold spaces
     report = run_prompt_cache(
         model, tokenizer, args.out, text=text, messages=messages, preset=args.preset, chunk=args.chunk,
         max_tokens=args.max_tokens, questions=tuple(args.question or ()), max_new_tokens=args.max_new_tokens,
         verify=args.verify, load_rss=args.load_rss, tick=None if args.quiet else Heartbeat("prompt-cache", every=0),
         metadata={"model": args.model, "source": Path(source).name, "preset": args.preset,
-                  "command": command_line(args)})
+                  "command": command})
     print(format_report(report))
     if args.json:
         import torch
 
-        meta = {"command": command_line(args), "model": args.model, "threads": torch.get_num_threads(),
+        meta = {"command": command, "model": args.model, "threads": torch.get_num_threads(),
                 "torch": torch.__version__}
         atomic_write_text(args.json, json.dumps({"meta": meta, **report}, indent=1) + "\n")
     if args.verify and not all(a["same_as_in_memory"] for a in report["answers"]):
