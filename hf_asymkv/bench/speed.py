@@ -3,6 +3,10 @@
 Everything is measured in one process, with the schemes interleaved inside every repeat: on a shared, noisy
 machine slow periods then hit all schemes alike, and the ratios (the claims) stay meaningful while absolute
 milliseconds drift. DynamicCache's own worst/median step ratio is the noise floor for the flush-spike check.
+
+Beside each step is its roofline (:mod:`.roofline`): the bytes a step reads (weights and K/V as stored) at the read
+bandwidth measured in the same run, once per repeat. Long contexts may be filled with random K/V instead of a prefill
+(``fill_from``): a decode step's cost does not depend on what the history holds.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import torch
 
 from ..core.compat import cache_kwargs
 from .memory import cache_nbytes
+from .roofline import fill_random, median_bandwidth, read_bandwidth, weight_bytes
 from .schemes import COMPILED, make_cache, scheme_attention, scheme_forward, with_baseline
 
-__all__ = ["PeakRSS", "SpeedRow", "format_speed_table", "measure_decode_speed", "plot_speed"]
+__all__ = ["PeakRSS", "SpeedRow", "bandwidth_line", "format_speed_table", "measure_decode_speed", "plot_speed"]
 
 
 class PeakRSS:
@@ -89,11 +94,21 @@ class SpeedRow:
     kv_bytes: int = 0  # real bytes the cache holds after the prefill and all decode steps (model dtype)
     kv_ratio_vs_dynamic: float = 0.0  # DynamicCache bytes / this scheme's bytes
     peak_rss_growth_mib: float = 0.0  # largest peak-RSS growth over the repeats (prefill + decode)
+    filled: bool = False  # the context was written as random K/V (roofline.fill_random): prefill_s is that fill
+    decode_rss_growth_mib: float = 0.0  # largest peak-RSS growth over the timed decode steps alone
+    step_bytes: int = 0  # what a step reads: the weights once and kv_bytes
+    bandwidth_gbs: float = 0.0  # median read bandwidth measured in this run at this context, GB/s
+    roofline_ms: float = 0.0  # step_bytes at that bandwidth
 
     @property
     def spike_ratio(self) -> float:
         """Worst decode step / median decode step."""
         return self.decode_ms_max / self.decode_ms_median
+
+    @property
+    def x_roofline(self) -> float:
+        """Median decode step / its roofline (1.0: as fast as its bytes allow; 0.0 when not measured)."""
+        return self.decode_ms_median / self.roofline_ms if self.roofline_ms else 0.0
 
 
 @dataclass
@@ -102,40 +117,49 @@ class _Run:
     steps_s: list[float]
     kv_bytes: int
     rss_growth: int
+    decode_rss_growth: int = 0
 
 
 @torch.no_grad()
 def _run_once(model, name: str, ids: torch.Tensor, new_tokens: int, backend: str = "inductor",
-              room: int | None = None) -> _Run:
+              room: int | None = None, fill: bool = False) -> _Run:
     """Fresh cache, timed prefill, one untimed warm-up step, ``new_tokens`` timed single-token steps. A compiled
     scheme runs all of them, prefill included, through its compiled forward (transformers' recipe for a
     ``StaticCache``: the whole forward compiled; ``generate``'s own compile leaves the prefill eager). A static cache
     is sized for the prompt, the warm-up step and ``room`` steps (default ``new_tokens``): a warm-up run gives the
-    timed runs' ``room`` so that it compiles their shapes."""
+    timed runs' ``room`` so that it compiles their shapes. ``fill``: the prompt's length of random K/V is written into
+    the cache instead of a prefill (timed as the prefill)."""
     with scheme_attention(model, name), PeakRSS() as rss:
         cache = make_cache(name, model.config, max_cache_len=ids.shape[1] + 1 + (room or new_tokens))
         forward = scheme_forward(model, name, backend)
-        start = time.perf_counter()
-        out = forward(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
-        prefill = time.perf_counter() - start
-        token = out.logits[:, -1:].argmax(-1)
+        if fill:
+            prefill = fill_random(cache, model.config, ids.shape[1], model.dtype, device=model.device)
+            token = ids[:, -1:]
+        else:
+            start = time.perf_counter()
+            out = forward(input_ids=ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+            prefill = time.perf_counter() - start
+            token = out.logits[:, -1:].argmax(-1)
         token = forward(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         steps = []
-        for _ in range(new_tokens):
-            start = time.perf_counter()
-            out = forward(input_ids=token, **cache_kwargs(cache), use_cache=True)
-            steps.append(time.perf_counter() - start)
-            token = out.logits[:, -1:].argmax(-1)
+        with PeakRSS() as step_rss:
+            for _ in range(new_tokens):
+                start = time.perf_counter()
+                out = forward(input_ids=token, **cache_kwargs(cache), use_cache=True)
+                steps.append(time.perf_counter() - start)
+                token = out.logits[:, -1:].argmax(-1)
         kv = cache_nbytes(cache)
-    return _Run(prefill, steps, kv, rss.growth)
+    return _Run(prefill, steps, kv, rss.growth, step_rss.growth)
 
 
 def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_tokens: int = 32, repeats: int = 3,
-                         seed: int = 0, progress=None, compile_backend: str = "inductor") -> list[SpeedRow]:
-    """Prefill seconds, decode ms/token, KV bytes and peak RSS per scheme for each context length.
+                         seed: int = 0, progress=None, compile_backend: str = "inductor",
+                         fill_from: int | None = None) -> list[SpeedRow]:
+    """Prefill seconds, decode ms/token, KV bytes, peak RSS and the roofline per scheme for each context length.
 
     After one untimed warm-up run per length, each repeat runs every scheme in turn (``dynamic`` first) on the
-    same random prompt; the medians over all repeats' steps are reported with the worst step, and every ratio
+    same random prompt, then measures the read bandwidth (:func:`~.roofline.read_bandwidth`, over a buffer larger
+    than any of the caches); the medians over all repeats' steps are reported with the worst step, and every ratio
     is against DynamicCache in this run. Peak RSS growth is the largest over the repeats; it is only
     comparable between schemes because the warm-up has grown the heap first (freed memory is reused).
 
@@ -147,12 +171,16 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
         new_tokens: timed decode steps per repeat.
         progress: optional ``callable(str)`` told what runs next.
         compile_backend: ``torch.compile``'s backend for the compiled schemes (tests use ``"eager"``: fast).
+        fill_from: contexts of at least this many tokens are written as random K/V (one cache update per layer,
+            timed in the prefill column) instead of a prompt's prefill; None: every context is prefilled.
     """
     schemes = with_baseline(schemes)
     gen = torch.Generator().manual_seed(seed)
+    weights = weight_bytes(model)
     rows = []
     for length in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, length), generator=gen).to(model.device)
+        fill = fill_from is not None and length >= fill_from
         runs: dict[str, list[_Run]] = {name: [] for name in schemes}
         # Untimed: the first run at a new size pays one-time costs (allocator growth, kernel set-up) that would
         # otherwise land on whichever scheme happens to run first, in time and in RSS.
@@ -160,23 +188,31 @@ def measure_decode_speed(model, schemes: list[str], lengths: list[int], *, new_t
             progress(f"context {length}: warm-up (untimed)")
         # Compiled schemes compile here, at the first step of each length (dynamic=False: one graph per shape).
         for name in [schemes[0], *(s for s in schemes if s in COMPILED)]:
-            _run_once(model, name, ids, 1, compile_backend, room=new_tokens)
+            _run_once(model, name, ids, 1, compile_backend, room=new_tokens, fill=fill)
+        bandwidth = []
         for rep in range(repeats):
             for name in schemes:
                 if progress:
                     progress(f"context {length}, repeat {rep + 1}/{repeats}: {name}")
-                runs[name].append(_run_once(model, name, ids, new_tokens, compile_backend))
-        rows += _rows(runs, length, new_tokens, repeats)
+                runs[name].append(_run_once(model, name, ids, new_tokens, compile_backend, fill=fill))
+            largest = max(r[-1].kv_bytes for r in runs.values())
+            bandwidth.append(read_bandwidth(max(weights, largest) * 5 // 4))  # larger than any cache of the run
+        rows += _rows(runs, length, new_tokens, repeats, fill, weights, median_bandwidth(bandwidth))
     return rows
 
 
-def _rows(runs: dict[str, list[_Run]], length: int, new_tokens: int, repeats: int) -> list[SpeedRow]:
+def _rows(runs: dict[str, list[_Run]], length: int, new_tokens: int, repeats: int, filled: bool = False,
+          weights: int = 0, bandwidth: float = 0.0) -> list[SpeedRow]:
     rows = []
     for name, rs in runs.items():
         steps = [t for r in rs for t in r.steps_s]
+        kv = rs[-1].kv_bytes
         rows.append(SpeedRow(name, length, statistics.median(steps) * 1e3, max(steps) * 1e3, new_tokens, repeats,
-                             prefill_s_median=statistics.median(r.prefill_s for r in rs), kv_bytes=rs[-1].kv_bytes,
-                             peak_rss_growth_mib=max(r.rss_growth for r in rs) / 2**20))
+                             prefill_s_median=statistics.median(r.prefill_s for r in rs), kv_bytes=kv,
+                             peak_rss_growth_mib=max(r.rss_growth for r in rs) / 2**20, filled=filled,
+                             decode_rss_growth_mib=max(r.decode_rss_growth for r in rs) / 2**20,
+                             step_bytes=weights + kv, bandwidth_gbs=bandwidth / 1e9,
+                             roofline_ms=(weights + kv) / bandwidth * 1e3 if bandwidth else 0.0))
     base = rows[0]
     for r in rows:
         r.ratio_vs_dynamic = r.decode_ms_median / base.decode_ms_median
@@ -186,17 +222,29 @@ def _rows(runs: dict[str, list[_Run]], length: int, new_tokens: int, repeats: in
 
 
 def format_speed_table(rows: list[SpeedRow]) -> str:
-    """Markdown table: the ratios against DynamicCache first, then the absolute figures."""
+    """Markdown table: the ratios against DynamicCache first, then the absolute figures, the roofline (the step's
+    bytes at the run's read bandwidth) and the peak RSS growth of the whole run and of the decode steps alone. A
+    context written as random K/V has its fill time in the prefill column, marked "(fill)"."""
     lines = [
-        "| scheme | context | decode x DynamicCache | decode ms/token (median) | worst step / median | "
-        "prefill x DynamicCache | prefill s | KV MiB | KV x smaller | peak RSS growth MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| scheme | context | decode x DynamicCache | decode ms/token (median) | roofline ms | x roofline | "
+        "MB read/step | worst step / median | prefill x DynamicCache | prefill s | KV MiB | KV x smaller | "
+        "peak RSS growth MiB | decode RSS growth MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        prefill = f"{r.prefill_s_median:.2f}" + (" (fill)" if r.filled else "")
         lines.append(f"| {r.scheme} | {r.context} | {r.ratio_vs_dynamic:.2f} | {r.decode_ms_median:.1f} | "
-                     f"{r.spike_ratio:.2f} | {r.prefill_ratio_vs_dynamic:.2f} | {r.prefill_s_median:.2f} | "
-                     f"{r.kv_bytes / 2**20:.1f} | {r.kv_ratio_vs_dynamic:.2f} | {r.peak_rss_growth_mib:.0f} |")
+                     f"{r.roofline_ms:.1f} | {r.x_roofline:.2f} | {r.step_bytes / 1e6:.0f} | {r.spike_ratio:.2f} | "
+                     f"{r.prefill_ratio_vs_dynamic:.2f} | {prefill} | {r.kv_bytes / 2**20:.1f} | "
+                     f"{r.kv_ratio_vs_dynamic:.2f} | {r.peak_rss_growth_mib:.0f} | {r.decode_rss_growth_mib:.0f} |")
     return "\n".join(lines)
+
+
+def bandwidth_line(rows: list[SpeedRow]) -> str:
+    """One line: the read bandwidth each context's roofline used."""
+    seen = dict.fromkeys((r.context, r.bandwidth_gbs) for r in rows)
+    return "read bandwidth (median of one streaming read per repeat): " + ", ".join(
+        f"{context} tokens {gbs:.1f} GB/s" for context, gbs in seen)
 
 
 def plot_speed(rows: list[SpeedRow], path: str | Path, title: str = "") -> Path:

@@ -42,22 +42,23 @@ def _cmd_bench(args) -> int:
 
     import torch
 
-    from ..bench.speed import format_speed_table, measure_decode_speed, plot_speed
+    from ..bench.speed import bandwidth_line, format_speed_table, measure_decode_speed, plot_speed
     from ..core.fileio import atomic_write_text
 
     schemes = args.schemes
     set_threads(args.threads)
     model, _ = load_model_from_args(args)
-    rows = measure_decode_speed(model, schemes, args.lengths, new_tokens=args.new_tokens,
-                                repeats=args.repeats, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
-    table = format_speed_table(rows)
+    rows = measure_decode_speed(model, schemes, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats,
+                                progress=lambda msg: print(msg, file=sys.stderr, flush=True), fill_from=args.fill_from)
+    table = f"{format_speed_table(rows)}\n\n{bandwidth_line(rows)}"
     print(table)
     if args.out:
         meta = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "command": command_line(args)}
         out = Path(args.out)
         atomic_write_text(out / "decode_speed.json", json.dumps(
-            {"meta": meta, "rows": [{**asdict(r), "spike_ratio": r.spike_ratio} for r in rows]}, indent=2))
+            {"meta": meta, "rows": [{**asdict(r), "spike_ratio": r.spike_ratio, "x_roofline": r.x_roofline}
+                                    for r in rows]}, indent=2))
         atomic_write_text(out / "decode_speed.md", f"`{meta['command']}` (torch threads: {meta['threads']})\n\n{table}\n")
         plot_speed(rows, out / "decode_speed.png", f"{args.model}, {args.dtype}, torch threads: {meta['threads']}")
     return 0
@@ -77,6 +78,10 @@ def add_parsers(sub) -> None:
                         "with torch.compile, untimed, in the warm-up)")
     p.add_argument("--new-tokens", type=at_least(1), default=32, help="timed decode steps per repeat")
     p.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats")
+    p.add_argument("--fill-from", type=at_least(1), default=None, metavar="TOKENS",
+                   help="contexts of at least TOKENS tokens are written into each cache as random K/V (one update per "
+                        "layer, timed in the prefill column, marked '(fill)') instead of a prompt's prefill: for "
+                        "contexts past the model's positions or too long to prefill per scheme (default: none)")
     add_threads_arg(p)
     p.add_argument("--out", type=output_folder, default=None,
                    help="folder for decode_speed.json, decode_speed.md and decode_speed.png")

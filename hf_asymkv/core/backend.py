@@ -147,20 +147,17 @@ def native_fused_attention(query: torch.Tensor, key, value, attention_mask: torc
     """
     if requested_backend() not in ("auto", "native"):
         return None
-    b, hq, q_len, d = query.shape
-    h = key.tail.shape[1]
     kv_len = key.shape[2]
-    rows = (query.float() * scaling).reshape(b, h, hq // h * q_len, d).contiguous()
     mask = None if attention_mask is None else attention_mask[..., -kv_len:]
     if mask is not None and mask.dtype not in (torch.bool, torch.float32):
         mask = mask.float()
     keys, values, exact = _native_part(key), _native_part(value), _native_exact(key, value)
     problem = refused or _native_refused(key, value)
     if problem is None:
-        problem = cpu_attention.problem(rows, keys, values, key.spec.block_size, exact, mask)
+        problem = cpu_attention.problem(query, keys, values, key.spec.block_size, exact, mask)
     if not use_native(query.device, problem):
         return None
-    hadamard = hadamard_block(d) if value.spec.rotated else 0
-    out = cpu_attention.decode_attention(rows, q_len=q_len, keys=keys, values=values, block=key.spec.block_size,
+    hadamard = hadamard_block(query.shape[-1]) if value.spec.rotated else 0
+    out = cpu_attention.decode_attention(query, scaling, keys=keys, values=values, block=key.spec.block_size,
                                          column=key.n_prefix, hadamard=hadamard, exact=exact, mask=mask, kv_len=kv_len)
-    return out.view(b, h, hq // h, q_len, d).reshape(b, hq, q_len, d).transpose(1, 2).to(query.dtype).contiguous()
+    return out if query.dtype == torch.float32 else out.to(query.dtype)

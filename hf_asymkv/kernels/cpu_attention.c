@@ -62,9 +62,11 @@ typedef struct {
 } asymkv_exact;
 
 typedef struct {
-    const float *query; /* [B, H, R, D] float32 contiguous: R = n_rep * q_len rows, row r = rep * q_len + i, scaled */
-    float *out;         /* [B, H, R, D] float32 contiguous */
-    int64_t batch, heads, rows, q_len, n_rep, head_dim;
+    const void *query;  /* [B, Hq, q, D] of query_dtype, rows contiguous; Hq = H * n_rep: query head h * n_rep + rep */
+    int64_t query_dtype, query_stride_b, query_stride_h, query_stride_q;
+    double scaling;     /* multiplies the query */
+    float *out;         /* [B, q, Hq, D] float32, contiguous */
+    int64_t batch, heads, rows, q_len, n_rep, head_dim; /* rows R = n_rep * q_len per KV head, row r = rep * q_len + i */
     int64_t tokens, block_size, column; /* quantized tokens (whole blocks), tokens per block, mask column of the first */
     asymkv_codes keys, values;
     int64_t hadamard;                   /* values stored rotated by Hadamard blocks of this size; 0: plain */
@@ -316,6 +318,7 @@ typedef struct { /* one run's online softmax: rows R, head_dim D */
 typedef struct { /* per-thread scratch, sized by the block, never by the context */
     int8_t *key_codes, *value_codes; /* [block, D] unpacked sub-byte codes */
     v8si *wide_mask;                 /* [block, wide slots / 8] which wide slots have their high bit set */
+    float *query;                    /* [R, D] this (b, h)'s query rows, scaled, float32 */
     float *qs, *bias, *wide_q;       /* [R, D], [R], [R, wide slots] */
     float *scores;                   /* [R, max(block, EXACT_CHUNK)] */
     float *weights;                  /* [R, block] value weights p * s of one channel group */
@@ -703,7 +706,8 @@ static void merge_runs(const asymkv_attention *p, int64_t bh, float *partials, i
             float m = partials[(bh * splits + k) * stride + r];
             top = m > top ? m : top;
         }
-        float *out = p->out + (bh * rows + r) * d;
+        int64_t b = bh / p->heads, h = bh % p->heads, i = r % p->q_len, head = h * p->n_rep + r / p->q_len;
+        float *out = p->out + ((b * p->q_len + i) * p->heads * p->n_rep + head) * d;
         memset(out, 0, (size_t)d * sizeof(float));
         memset(mixed, 0, sizeof mixed);
         for (int64_t k = 0; k < splits; k++) {
@@ -727,6 +731,18 @@ static void merge_runs(const asymkv_attention *p, int64_t bh, float *partials, i
 
 /* ---------------------------------------------------------------------------------------------------- entry */
 
+/* The R query rows of (b, h) as float32, times `scaling`: row rep * q_len + i is query head h * n_rep + rep, token i. */
+static void query_rows(const asymkv_attention *p, int64_t b, int64_t h, float *restrict rows) {
+    int64_t d = p->head_dim, size = p->query_dtype == META_F32 ? 4 : 2;
+    float scaling = (float)p->scaling;
+    for (int64_t r = 0; r < p->rows; r++) {
+        int64_t head = h * p->n_rep + r / p->q_len, i = r % p->q_len;
+        int64_t at = b * p->query_stride_b + head * p->query_stride_h + i * p->query_stride_q;
+        load_row((const char *)p->query + at * size, 0, d, p->query_dtype, rows + r * d);
+        for (int64_t c = 0; c < d; c++) rows[r * d + c] *= scaling;
+    }
+}
+
 static int scratch_alloc(const asymkv_attention *p, scratch *w) {
     int64_t d = p->head_dim, bs = p->block_size > 0 ? p->block_size : 1, rows = p->rows;
     int64_t slots = (p->keys.wide_count + 7) / 8 * 8, ld = bs > EXACT_CHUNK ? bs : EXACT_CHUNK;
@@ -735,6 +751,7 @@ static int scratch_alloc(const asymkv_attention *p, scratch *w) {
     w->key_codes = malloc((size_t)(bs * d));
     w->value_codes = malloc((size_t)(bs * d));
     w->wide_mask = aligned_alloc(32, (size_t)(bs * (slots / 8) + 1) * sizeof(v8si));
+    w->query = malloc((size_t)(rows * d) * sizeof(float));
     w->qs = malloc((size_t)(rows * d) * sizeof(float));
     w->bias = malloc((size_t)rows * sizeof(float));
     w->wide_q = malloc((size_t)(rows * slots + 8) * sizeof(float));
@@ -743,7 +760,7 @@ static int scratch_alloc(const asymkv_attention *p, scratch *w) {
     w->value_scale = malloc((size_t)(bs * groups) * sizeof(float));
     w->value_zero = malloc((size_t)(bs * groups) * sizeof(float));
     w->row = malloc((size_t)d * sizeof(float));
-    return w->key_codes && w->value_codes && w->wide_mask && w->qs && w->bias && w->wide_q &&
+    return w->key_codes && w->value_codes && w->wide_mask && w->query && w->qs && w->bias && w->wide_q &&
            w->scores && w->weights && w->value_scale && w->value_zero && w->row;
 }
 
@@ -751,6 +768,7 @@ static void scratch_free(scratch *w) {
     free(w->key_codes);
     free(w->value_codes);
     free(w->wide_mask);
+    free(w->query);
     free(w->qs);
     free(w->bias);
     free(w->wide_q);
@@ -807,7 +825,8 @@ int asymkv_attention_run(const asymkv_attention *p) {
                 s.l[r] = 0.0f;
             }
             memset(s.quant, 0, (size_t)(2 * rows * d) * sizeof(float));
-            const float *q = p->query + bh * rows * d;
+            const float *q = w.query;
+            query_rows(p, b, h, w.query);
             int64_t first = blocks * split / p->splits, end = blocks * (split + 1) / p->splits;
             quantized_run(p, q, b, h, first, end, &w, &s);
             if (split == p->splits - 1)

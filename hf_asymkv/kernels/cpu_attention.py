@@ -97,8 +97,11 @@ class _Exact(ctypes.Structure):
 class _Attention(ctypes.Structure):
     """Mirror of ``asymkv_attention``."""
 
-    _fields_ = ([(n.lstrip("*"), t) for n, t in _fields(
-        "*query", "*out", "batch", "heads", "rows", "q_len", "n_rep", "head_dim", "tokens", "block_size", "column")]
+    _fields_ = ([(n.lstrip("*"), t) for n, t in _fields("*query", "query_dtype", "query_stride_b", "query_stride_h",
+                                                          "query_stride_q")]
+        + [("scaling", ctypes.c_double)]
+        + [(n.lstrip("*"), t) for n, t in _fields(
+            "*out", "batch", "heads", "rows", "q_len", "n_rep", "head_dim", "tokens", "block_size", "column")]
         + [("keys", _Codes), ("values", _Codes)] + _fields("hadamard")
         + [("exact", _Exact * MAX_EXACT_PARTS)]
         + [(n.lstrip("*"), t) for n, t in _fields(
@@ -131,17 +134,19 @@ def _quantized_problem(kind: str, part: QuantizedPart, head_dim: int, block: int
     return None
 
 
-def problem(query_rows: torch.Tensor, keys: QuantizedPart, values: QuantizedPart, block: int,
+def problem(query: torch.Tensor, keys: QuantizedPart, values: QuantizedPart, block: int,
             exact: list[ExactPart], mask: torch.Tensor | None) -> str | None:
     """Why :func:`decode_attention` cannot serve this call (a phrase naming the feature and the value), or None.
 
     Also None only when the native library builds (:func:`~.cpu_readout.build_problem` otherwise)."""
-    d = query_rows.shape[-1]
-    tensors = [query_rows, keys.codes, values.codes, *(t for e in exact for t in (e.keys, e.values))]
+    d = query.shape[-1]
+    tensors = [query, keys.codes, values.codes, *(t for e in exact for t in (e.keys, e.values))]
     if any(t.device.type != "cpu" for t in tensors):
         return "tensors not on the CPU"
     if d % 8 or d > MAX_HEAD_DIM:
         return f"head_dim {d} (a multiple of 8 up to {MAX_HEAD_DIM} is served)"
+    if query.dtype not in _META or query.stride(-1) != 1:
+        return f"a query of dtype {query.dtype} or whose rows are not contiguous"
     for kind, part in (("keys", keys), ("values", values)):
         why = _quantized_problem(kind, part, d, block)
         if why:
@@ -203,39 +208,40 @@ def _exact(part: ExactPart) -> _Exact:
                   valid=None if part.valid is None else part.valid.data_ptr())
 
 
-def decode_attention(query_rows: torch.Tensor, *, q_len: int, keys: QuantizedPart, values: QuantizedPart, block: int,
+def decode_attention(query: torch.Tensor, scaling: float, *, keys: QuantizedPart, values: QuantizedPart, block: int,
                      column: int, hadamard: int, exact: list[ExactPart], mask: torch.Tensor | None, kv_len: int
                      ) -> torch.Tensor:
-    """Softmax attention of the query rows over one layer as stored; call :func:`problem` first.
+    """Softmax attention of ``query`` over one layer as stored; call :func:`problem` first.
 
     Args:
-        query_rows: ``[B, H, R, D]`` float32, contiguous, scaled (``R = n_rep * q_len`` rows per KV head, row
-            ``rep * q_len + i``).
-        q_len: query tokens.
+        query: ``[B, Hq, q, D]`` float32, bfloat16 or float16 with contiguous rows (a transposed view is fine);
+            ``Hq = H * n_rep``, query head ``h * n_rep + rep`` reads KV head ``h``. Scores are ``(query * scaling) . k``.
         keys, values: the quantized region (``N`` tokens, whole blocks of ``block``, possibly 0) at mask columns
             ``[column, column + N)``.
         hadamard: the values are stored rotated by Hadamard blocks of this size (0: plain); the output is rotated back.
         exact: the exact parts; one with ``positions`` overlays the region (its valid positions are dropped there).
-        mask: ``[B | 1, 1 | Hq, q_len, kv_len]`` bool or float32 additive, column 0 at the layer's first token; None:
+        mask: ``[B | 1, 1 | Hq, q, kv_len]`` bool or float32 additive, column 0 at the layer's first token; None:
             causal.
         kv_len: tokens of the layer (mask columns).
 
     Returns:
-        ``[B, H, R, D]`` float32.
+        ``[B, q, Hq, D]`` float32 (the layout attention functions return).
     """
-    b, h, rows, d = query_rows.shape
-    out = torch.empty_like(query_rows)
+    b, hq, q_len, d = query.shape
+    h = keys.codes.shape[1]
+    out = torch.empty(b, q_len, hq, d)
     threads = torch.get_num_threads()
     tokens = keys.codes.shape[2]
     overlay = next((i for i, e in enumerate(exact) if e.positions is not None), -1)
     args = _Attention(
-        query=query_rows.data_ptr(), out=out.data_ptr(), batch=b, heads=h, rows=rows, q_len=q_len,
-        n_rep=rows // q_len, head_dim=d, tokens=tokens, block_size=block, column=column, keys=_codes(keys, d),
-        values=_codes(values, d), hadamard=hadamard, exact_count=len(exact), overlay=overlay,
-        mask=None if mask is None else mask.data_ptr(), mask_kind=_MASKS[None if mask is None else mask.dtype],
-        mask_stride_b=0 if mask is None else _stride(mask, 0), mask_stride_h=0 if mask is None else _stride(mask, 1),
-        mask_stride_q=0 if mask is None else _stride(mask, 2), kv_len=kv_len, threads=threads,
-        splits=run_splits(b, h, tokens // block if block else 0, threads))
+        query=query.data_ptr(), query_dtype=_META[query.dtype], query_stride_b=query.stride(0),
+        query_stride_h=query.stride(1), query_stride_q=query.stride(2), scaling=scaling, out=out.data_ptr(), batch=b,
+        heads=h, rows=hq // h * q_len, q_len=q_len, n_rep=hq // h, head_dim=d, tokens=tokens, block_size=block,
+        column=column, keys=_codes(keys, d), values=_codes(values, d), hadamard=hadamard, exact_count=len(exact),
+        overlay=overlay, mask=None if mask is None else mask.data_ptr(),
+        mask_kind=_MASKS[None if mask is None else mask.dtype], mask_stride_b=0 if mask is None else _stride(mask, 0),
+        mask_stride_h=0 if mask is None else _stride(mask, 1), mask_stride_q=0 if mask is None else _stride(mask, 2),
+        kv_len=kv_len, threads=threads, splits=run_splits(b, h, tokens // block if block else 0, threads))
     for i, part in enumerate(exact):
         args.exact[i] = _exact(part)
     status = native_library().asymkv_attention_run(ctypes.byref(args))
