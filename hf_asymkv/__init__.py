@@ -69,6 +69,7 @@ def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'hf_asymkv' has no attribute {name!r}; public names: {__all__}")
     module, attribute = _PUBLIC[name]
+    # threads asking at once: the import system's lock makes one of them import, and each stores the same object
     value = getattr(importlib.import_module(f".core.{module}", __name__), attribute)
     globals()[name] = value
     return value

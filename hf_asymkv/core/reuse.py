@@ -39,7 +39,7 @@ class ReuseWatch:
     def __init__(self, layer_idx: int | None):
         self.layer_idx = layer_idx
         self.seen = 0
-        self.warned = False
+        self.warned = False  # once per cache, not per process: a cache serves one request (one thread) at a time
         self.rollbacks = 0  # the layer's rollback count at the last update
 
     def update(self, tokens: int, layer) -> None:

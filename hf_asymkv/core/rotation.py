@@ -39,6 +39,9 @@ def hadamard_block(dim: int) -> int:
     return dim & -dim
 
 
+# Process-wide tables, shared by every thread: each matrix is computed from its arguments alone and never written in
+# place after (callers multiply by it or clone it), and lru_cache keeps its table whole under threads, so a race only
+# builds the same matrix twice (hf_asymkv.kernels.once says where state is guarded instead).
 @functools.lru_cache(maxsize=32)
 def _hadamard_cpu(dim: int, dtype: torch.dtype) -> torch.Tensor:
     block = hadamard_block(dim)
@@ -55,7 +58,7 @@ def hadamard(dim: int, dtype: torch.dtype = torch.float32, device: torch.device 
     return h if device is None or torch.device(device) == h.device else _hadamard_on(dim, dtype, torch.device(device))
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=32)  # process-wide, frozen once made (see _hadamard_cpu)
 def _hadamard_on(dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _hadamard_cpu(dim, dtype).to(device)
 
@@ -88,7 +91,7 @@ def unrotate(y: torch.Tensor) -> torch.Tensor:
     return y @ hadamard(y.shape[-1], y.dtype, y.device).T
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=32)  # process-wide, frozen once made (see _hadamard_cpu)
 def _signs_cpu(dim: int) -> torch.Tensor:
     """``S = sqrt(b) H`` as int8 (entries -1, 0, +1; ``b`` the block size), transposed for ``c @ S^T``."""
     block = hadamard_block(dim)

@@ -77,7 +77,7 @@ def _buffers(store) -> list[torch.Tensor | None]:
             store.overlay.anchors, store.overlay.tokens]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)  # process-wide, immutable values (a race parses a layout twice)
 def _parse(layout: str) -> tuple[QuantSpec, int, int, tuple[str, ...]]:
     spec, sink_count, head_dim, parts = layout.split("|")
     return QuantSpec.from_text(spec), int(sink_count), int(head_dim), tuple(parts.split(",")) if parts else ()

@@ -102,6 +102,8 @@ def split_wide(stored: torch.Tensor, channels: torch.Tensor, bits: int, block_si
 
 
 _BIT_TABLES: dict[torch.device, torch.Tensor] = {}
+"""Process-wide, one entry per device, frozen once made: a table is never written in place, so two threads that build
+it at once store equal tables (the last one stays)."""
 
 
 def _bit_table(device: torch.device) -> torch.Tensor:

@@ -17,13 +17,13 @@ This module imports neither Triton (only :func:`launch_append` does) nor the cor
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 
 import torch
 
 from . import env_choice
+from .once import computed_once
 
 __all__ = ["APPEND_BACKENDS", "APPEND_ENV_VAR", "BlockFormat", "launch_append", "requested_append_backend", "unserved"]
 
@@ -178,7 +178,7 @@ def _warps(block_size: int, head_dim: int, wide: int) -> int:
     return max(4, min(16, elements // 1024))
 
 
-@functools.cache
+@computed_once  # process-wide, guarded: two threads defining the operator at once would register it twice
 def _custom_op():
     """``hf_asymkv::append_blocks``: the kernel as an operator a compiled graph keeps (defined on first use: it
     imports Triton)."""

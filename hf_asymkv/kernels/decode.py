@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +114,10 @@ def launch_decode_attention(query: torch.Tensor, scaling: float, *, quantized: Q
 
 _SPILL_FREE: dict[tuple, int] = {}
 """Per process: a partial launch's options (as planned) -> the index, in :func:`spill_alternatives`, of the settings
-its launches take (the first that compiled without spilling on this device)."""
+its launches take (the first that compiled without spilling on this device). Process-wide and written after import:
+guarded by :data:`_SPILL_LOCK` (one thread compiles a new entry's candidates, the others wait; reads need no lock).
+Its keys are constexprs and launch settings, never lengths: it holds one entry per kernel variant the process ran."""
+_SPILL_LOCK = threading.Lock()
 
 
 def spill_alternatives(launch: KernelLaunch) -> tuple[KernelLaunch, ...]:
@@ -168,8 +172,11 @@ def _spill_free(partial: KernelLaunch) -> KernelLaunch:
         return partial
     candidates = spill_alternatives(partial)
     if index is None:
-        index, _ = settle_spills(candidates, _compiled_spills)
-        _SPILL_FREE[key] = index
+        with _SPILL_LOCK:
+            index = _SPILL_FREE.get(key)  # another thread may have settled it while this one waited
+            if index is None:
+                index, _ = settle_spills(candidates, _compiled_spills)
+                _SPILL_FREE[key] = index
     return candidates[index]
 
 
@@ -351,7 +358,7 @@ def _code_dot_dtype(query: torch.Tensor):
     return tl.float32 if query.dtype == torch.float32 else tl.float16
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8)  # process-wide, immutable: a race computes the same int twice (lru_cache stays whole)
 def _capability(device: torch.device) -> int | None:
     """``major * 10 + minor`` of a CUDA device; None for other devices (the interpreter's CPU tensors)."""
     if device.type != "cuda":
@@ -360,7 +367,7 @@ def _capability(device: torch.device) -> int | None:
     return major * 10 + minor
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8)  # process-wide, immutable (as _capability)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -17,7 +17,10 @@ values or keys). After every step:
 - the window never exceeds ``residual_length + block_size`` plus the latest update's tokens while deferring
   (past recording keeps one update pending, never more: recording left on must not grow the window);
 - the fused attention over the stored codes equals the dense read-out's attention (SQNR > 80 dB: float32
-  rounding of logits up to 1e5).
+  rounding of logits up to 1e5);
+- an interrupt (``KeyboardInterrupt``) raised at a drawn line of the core inside an update, crop or beam reorder
+  (issue 56, :func:`faults.interrupt_at_line`) leaves the layer, or the whole cache, exactly as it was; the machine
+  goes on with the interrupted object, so every later check covers it too.
 
 On failure hypothesis prints the falsifying steps, and ``conftest.py`` the session's seed (rerun with
 ``--hypothesis-seed=N``).
@@ -33,6 +36,7 @@ import os
 import pytest
 import torch
 from conftest import llama_config
+from faults import assert_same, cache_state, layer_state, run_interrupted
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -187,6 +191,7 @@ class LayerMachine(RuleBasedStateMachine):
         self.seed = 0
         self.peak = 0  # the most quantized tokens held since the layer was built or reset
         self.short_window_ok = False  # a rollback beyond what recording covers left the window short
+        self.short_before_update = False  # short_window_ok before the latest update (what a covered rollback restores)
         self.recorded = 0  # tokens of the latest update while recording: what a rollback can undo exactly
         self.pending = 0  # tokens of the latest update kept pending (until the next update or crop)
 
@@ -214,6 +219,7 @@ class LayerMachine(RuleBasedStateMachine):
             pads = pads if self.padded else torch.zeros_like(pads)
             kwargs = {"position_ids": (torch.arange(n)[None] - pads[:, None]).clamp(min=0)}
             self.ref.anchors = pads if pads.any() else None
+        self.short_before_update = self.short_window_ok
         keys, values = self.layer.update(k, v, kwargs=kwargs)
         self.recorded = self.pending = n if self.layer.defers else 0
         self.ref.append(k, v)
@@ -235,6 +241,8 @@ class LayerMachine(RuleBasedStateMachine):
         self.recorded = self.pending = 0
         if not covered and n and before_blocks:
             self.short_window_ok = True
+        elif covered and n:  # back to the layer before the latest update, whose window may have been short already
+            self.short_window_ok = self.short_before_update
         # Tokens the layer returned from a block to the window carry their first quantization's error.
         back = slice(ns + ks.blocks.length, min(keep, ns + before_blocks))
         if back.start < back.stop:
@@ -491,3 +499,90 @@ class CacheMachine(RuleBasedStateMachine):
 @pytest.mark.filterwarnings("ignore::hf_asymkv.core.reuse.CacheReuseWarning")
 def test_cache_against_reference(single_thread):
     run_state_machine_as_test(CacheMachine, settings=settings(FUZZ_SETTINGS, max_examples=15))
+
+
+# ------------------------------------------------------------------------------------------------ interrupts
+class InterruptedLayerMachine(LayerMachine):
+    """:class:`LayerMachine` with interrupts (issue 56) among its operations."""
+
+    @rule(data=st.data(), call=st.sampled_from(["update", "crop", "reorder"]), line=st.integers(1, 700))
+    def interrupted(self, data, call: str, line: int) -> None:
+        """An update, crop or beam reorder interrupted at the ``line``-th core line it runs: the layer is left as it
+        was and the machine goes on with it (a call that ends before that line is dropped, the layer unchanged)."""
+        trial = copy.deepcopy(self.layer)
+        if call == "update":
+            n = data.draw(st.integers(1, 12), label="tokens")
+            k, v = _tokens(self.batch, n, self.seed + 1000, 1.0)
+            position_ids = (torch.arange(n)[None] - torch.zeros(self.batch, 1, dtype=torch.long)).clamp(min=0)
+            op = lambda: trial.update(k, v, kwargs={"position_ids": position_ids})  # noqa: E731
+        elif call == "crop":
+            n = data.draw(st.integers(0, max(self.ref.length, 1)), label="remove")
+            op = lambda: trial.crop(-n)  # noqa: E731
+        else:
+            perm = torch.tensor(data.draw(st.permutations(range(self.batch)), label="beam_idx"))
+            op = lambda: trial.reorder_cache(perm)  # noqa: E731
+        before = layer_state(self.layer)
+        where = run_interrupted(op, line)
+        if where is not None:
+            assert_same(layer_state(trial), before, f"{call} interrupted at {where}")
+            self.layer = trial
+
+
+class InterruptedCacheMachine(CacheMachine):
+    """:class:`CacheMachine` with interrupts among its operations."""
+
+    @rule(data=st.data(), call=st.sampled_from(["crop", "reorder", "update"]), line=st.integers(1, 900))
+    def interrupted(self, data, call: str, line: int) -> None:
+        """A crop or beam reorder of the whole cache, or one layer's update, interrupted at a core line: every layer
+        and the cache's bookkeeping are left as they were (a call that ends first is dropped)."""
+        trial = copy.deepcopy(self.cache)
+        if call == "crop":
+            n = data.draw(st.integers(1, 12), label="remove")
+            op = lambda: trial.crop(-n)  # noqa: E731
+        elif call == "reorder":
+            perm = torch.tensor(data.draw(st.permutations(range(self.batch)), label="beam_idx"))
+            op = lambda: trial.reorder_cache(perm)  # noqa: E731
+        else:
+            g = torch.Generator().manual_seed(self.seed + 1000)
+            k, v = (torch.randn(self.batch, self.heads, 5, self.head_dim, generator=g) for _ in range(2))
+            index = data.draw(st.integers(0, len(self.refs) - 1), label="layer")
+            op = lambda: trial.update(k, v, index)  # noqa: E731
+        before = cache_state(self.cache)
+        where = run_interrupted(op, line)
+        if where is not None:
+            assert_same(cache_state(trial), before, f"{call} interrupted at {where}")
+            self.cache = trial
+
+
+INTERRUPT_SETTINGS = settings(FUZZ_SETTINGS, max_examples=max(EXAMPLES // 4, 1))
+
+
+def _interrupted_layer_machine(key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks, calibrated):
+    return type("Machine", (InterruptedLayerMachine,), dict(
+        key_format=key_format, key_symmetric=key_symmetric, key_rotation=key_rotation, value_bits=value_bits,
+        value_rotation=value_rotation, sinks=sinks, calibrated=calibrated))
+
+
+@pytest.mark.parametrize("key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks, calibrated",
+                         PRESET_COMBOS[1:3], ids=PRESET_IDS[1:3])
+def test_interrupted_layer_against_reference(key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks,
+                                             calibrated, single_thread):
+    machine = _interrupted_layer_machine(key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks,
+                                         calibrated)
+    run_state_machine_as_test(machine, settings=INTERRUPT_SETTINGS)
+
+
+@pytest.mark.slow(reason="the interrupt machine over every preset format, with the layer machine's examples: ~60 s; "
+                         "fast twin: tests/core/test_fuzz.py::test_interrupted_layer_against_reference")
+@pytest.mark.parametrize("key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks, calibrated",
+                         PRESET_COMBOS, ids=PRESET_IDS)
+def test_interrupted_layer_against_reference_every_format(key_format, key_symmetric, key_rotation, value_bits,
+                                                          value_rotation, sinks, calibrated, single_thread):
+    machine = _interrupted_layer_machine(key_format, key_symmetric, key_rotation, value_bits, value_rotation, sinks,
+                                         calibrated)
+    run_state_machine_as_test(machine, settings=FUZZ_SETTINGS)
+
+
+@pytest.mark.filterwarnings("ignore::hf_asymkv.core.reuse.CacheReuseWarning")
+def test_interrupted_cache_against_reference(single_thread):
+    run_state_machine_as_test(InterruptedCacheMachine, settings=INTERRUPT_SETTINGS)
