@@ -134,12 +134,30 @@ def pytest_collection_modifyitems(config, items):
     if bare:
         raise pytest.UsageError("tests marked slow without a reason naming their fast twin "
                                 "(reason='... tests/<path>.py::<test> ...'): " + ", ".join(bare))
+    _check_twins(items)
     if run_slow(config):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def _check_twins(items) -> None:
+    """Each fast twin a slow test names is collected in the fast tier, where its file was collected (a run of some
+    files cannot see the others; tests/test_tiers.py checks every file from the source)."""
+    def base(nodeid: str) -> str:  # tests/x.py::TestClass::test_y[param] -> tests/x.py::test_y
+        path, *names = nodeid.split("[")[0].split("::")
+        return f"{path}::{names[-1]}"
+
+    files = {item.nodeid.split("::")[0] for item in items}
+    fast = {base(item.nodeid) for item in items if not item.get_closest_marker("slow")}
+    missing = sorted({f"{item.nodeid.split('[')[0]} -> {twin}" for item in items
+                      if (mark := item.get_closest_marker("slow"))
+                      for twin in SLOW_TWIN.findall(mark.kwargs["reason"])
+                      if twin.split("::")[0] in files and twin not in fast})
+    if missing:
+        raise pytest.UsageError("slow tests whose fast twin is not a fast test: " + ", ".join(missing))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -46,25 +46,29 @@ def manual_greedy(forward, prompt: torch.Tensor, cache, steps: int) -> tuple[tor
     return first, tokens
 
 
-def _generate_compile_config():
+def _generate_compile_config(backend: str = "inductor"):
     from transformers import CompileConfig
 
-    config = CompileConfig(fullgraph=True, dynamic=False, mode="default")  # reduce-overhead is CUDA graphs
+    config = CompileConfig(fullgraph=True, dynamic=False, mode="default", backend=backend)  # reduce-overhead: CUDA graphs
     config._compile_all_devices = True  # transformers' switch for compiling on CPU
     return config
 
 
-def _generate(model, prompt: torch.Tensor, cache, steps: int, compiled: bool) -> torch.Tensor:
-    kwargs = {"compile_config": _generate_compile_config()} if compiled else {"disable_compile": True}
+def _generate(model, prompt: torch.Tensor, cache, steps: int, compiled: bool, backend: str = "inductor"
+              ) -> torch.Tensor:
+    kwargs = {"compile_config": _generate_compile_config(backend)} if compiled else {"disable_compile": True}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(prompt, **cache_kwargs(cache), max_new_tokens=steps, do_sample=False, **kwargs)
 
 
-def check_generate_compile(model, prompt: torch.Tensor, preset: str, steps: int, **settings) -> None:
+def check_generate_compile(model, prompt: torch.Tensor, preset: str, steps: int, backend: str = "inductor",
+                           **settings) -> None:
     """``generate``'s own compile of a static cache (one-token steps compiled with ``fullgraph=True``, the prefill
     eager): the eager static and the dynamic caches' tokens, one graph for every step across block flushes (at least
-    3 flushes per layer inside the steps with ``settings`` of 8-token blocks), none for a second cache."""
+    3 flushes per layer inside the steps with ``settings`` of 8-token blocks), none for a second cache. ``backend=
+    "eager"`` checks dynamo's tracing alone (what transformers' release decides: graph breaks, guards) in seconds;
+    inductor adds its code generation (tens of seconds cold)."""
     def static():
         return AsymKVCache.from_preset(preset, model.config, max_cache_len=prompt.shape[1] + steps, **settings)
 
@@ -73,12 +77,12 @@ def check_generate_compile(model, prompt: torch.Tensor, preset: str, steps: int,
     torch._dynamo.reset()
     counters.clear()
     cache = static()
-    compiled = _generate(model, prompt, cache, steps, True)
+    compiled = _generate(model, prompt, cache, steps, True, backend)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     # the prefill flushes once per layer: the others ran inside the compiled steps
     assert cache.stats()["flushes"] >= 3 * len(cache.layers)
     counters.clear()
-    again = _generate(model, prompt, static(), steps, True)
+    again = _generate(model, prompt, static(), steps, True, backend)
     assert not counters["stats"]["unique_graphs"]  # a new cache of the same shape reuses the graph
     assert torch.equal(compiled, eager) and torch.equal(compiled, dynamic) and torch.equal(again, compiled)
 
@@ -103,10 +107,11 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).abs().max() / expected.abs().max())
 
 
-def check_whole_forward(model, prompt, preset: str, steps: int, **settings) -> None:
+def check_whole_forward(model, prompt, preset: str, steps: int, backend: str = "inductor", **settings) -> None:
     """``torch.compile(model.forward, fullgraph=True, dynamic=False)`` with a static cache, prefill included: the
     prefill's last logits within 1e-4 (relative) of the eager static cache's, ``steps`` greedy tokens equal to the
     eager static and dynamic caches', two graphs (prefill, decode step) and none more for a second cache.
+    ``backend="eager"``: dynamo's tracing alone (see :func:`check_generate_compile`).
 
     Regression for issue 38: inductor computed the prefill's keys straight into the buffer it then scattered them
     within, so a prefill with sinks read tokens it had just overwritten (logits off by 0.4-20)."""
@@ -118,7 +123,7 @@ def check_whole_forward(model, prompt, preset: str, steps: int, **settings) -> N
     eager_first, eager_tokens = manual_greedy(model.forward, prompt, static(), steps)
     torch._dynamo.reset()
     counters.clear()
-    forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
     cache = static()
     first, tokens = manual_greedy(forward, prompt, cache, steps)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]

@@ -22,6 +22,9 @@ def gpu_check():
     return load_script("gpu_check")
 
 
+@pytest.mark.slow(reason="runs scripts/gpu_check.py --dry-run in a new process, every part under Triton's interpreter "
+                         "(minutes of CPU); fast twin: "
+                         "tests/bench/test_gpu_check_script.py::test_decode_plan_runs_eager_schemes_before_the_compiles")
 @needs_triton
 def test_dry_run_writes_the_report(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -101,6 +104,8 @@ def test_compile_modes_are_the_runners_and_default_to_generates(gpu_check):
         compiled_forward(None, "fast")
 
 
+@pytest.mark.slow(reason="the static part of the dry run in a new process, compiled; fast twin: "
+                         "tests/bench/test_gpu_check_script.py::test_static_plan_runs_every_batch_and_context_eager_schemes_first")
 @needs_triton
 def test_dry_run_of_the_static_part(tmp_path):
     """``--parts static``: each scheme's row with launches per step and its baseline (the ratios are checked in

@@ -19,6 +19,8 @@ def tiny_model():
     return gpu_runs.build_model(gpu_runs.DRY_SHAPES, torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.slow(reason="a launch sweep under Triton's interpreter; fast twin: "
+                         "tests/bench/test_gpu_tune.py::test_report_picks_the_fastest_and_lists_failures")
 @needs_triton
 def test_sweep_rows_agree_with_the_torch_attention(tiny_model, monkeypatch):
     monkeypatch.setattr(gpu_tune, "GRID", {"num_warps": (4,), "num_stages": (1,), "tile": (16, 64, 128)})

@@ -94,6 +94,8 @@ def test_bench_cli_rejects_unknown_scheme_before_loading(capsys):
     assert "argument --schemes: unknown cache scheme(s) ['nope']; known cache schemes: dynamic," in capsys.readouterr().err
 
 
+@pytest.mark.slow(reason="inductor compiles of the bench's static schemes; fast twin: "
+                         "tests/core/test_static.py::test_static_generates_the_dynamic_tokens_and_blocks")
 def test_static_schemes_compile_once_and_store_alike(llama):
     from torch._dynamo.utils import counters
 

@@ -28,7 +28,7 @@ from hf_asymkv.calibration.calibrate import (
 )
 from hf_asymkv.core.scales import KVScales
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 H, D = 2, 16  # the tiny models' kv heads and head_dim
 # Quantizes after a handful of tokens. No sinks and unrotated V (the 0.1 defaults): these tests compare a cache

@@ -19,7 +19,7 @@ from hf_asymkv.cli import main
 from hf_asymkv.core.scales import KVScales
 from hf_asymkv.models import load_model
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 MODULES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "model.rotary_emb", "lm_head")
 MAPS = {

@@ -22,22 +22,33 @@ from torch._dynamo.utils import counters
 from hf_asymkv import PRESETS, AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.models import ModelNotAvailableError, load_model
 
+pytestmark = pytest.mark.releases  # depends on transformers' behaviour: CI reruns it on older releases
+
 SMALL = dict(key_block_size=8, residual_length=8)  # blocks quantized inside a 40-token prefill and every 8 steps
 STEPS = 40
 LOCKER = "The locker code for the blue door is 4417. Repeat the locker code for the blue door:"
 
 
+@pytest.mark.slow(reason="cold inductor compiles of the whole forward (tens of seconds each); fast twin, the same "
+                         "graphs traced by dynamo without code generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset(llama_one_layer, prompt, preset):
     check_whole_forward(llama_one_layer, prompt[:, :40], preset, STEPS, **SMALL)
 
 
+@pytest.mark.slow(reason="cold inductor compiles of the whole forward (tens of seconds each); fast twin, the same "
+                         "graphs traced by dynamo without code generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 def test_prefill_without_blocks(llama_one_layer, prompt):
     """The issue's case: a prompt shorter than the sinks + window (nothing quantized in the prefill), default block
     sizes; the decode steps then quantize the first block."""
     check_whole_forward(llama_one_layer, prompt[:, :12], "balanced", STEPS, key_block_size=16, residual_length=16)
 
 
+@pytest.mark.slow(reason="cold inductor compiles of the whole forward (tens of seconds each); fast twin, the same "
+                         "graphs traced by dynamo without code generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 def test_fused_attention(llama_one_layer, prompt):
     """``attn_implementation="asymkv_sdpa"``: the prefill (40 query tokens) takes SDPA over the dense read-out inside
     the graph, the steps read the codes (``max``: wide key channels and 1-bit values, the most parts)."""
@@ -98,6 +109,9 @@ def _readme_compile_snippet() -> str:
     return re.search(r"## Compile: a static cache\n.*?```python\n(.*?)```", readme, re.S).group(1)
 
 
+@pytest.mark.slow(reason="cold inductor compiles of the whole forward (tens of seconds each); fast twin, the same "
+                         "graphs traced by dynamo without code generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 def test_the_readme_recipe(llama_one_layer, prompt):
     """The README's compile section as written (``model``, ``inputs`` given): the whole forward compiled into two
     graphs, then generate: the eager static cache's tokens, and none more graphs for the next cache."""

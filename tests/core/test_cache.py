@@ -31,7 +31,7 @@ from hf_asymkv.core.compat import (
     crop_tokens_to_remove,
 )
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 PROMPT_LEN = 64  # the `prompt` fixture's length
 EXACT = dict(residual_length=4096)

@@ -10,7 +10,7 @@ from conftest import hybrid_config, llama_config
 from hf_asymkv import AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.core.attention import ATTN_IMPLEMENTATION
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 SMALL = dict(residual_length=8, key_block_size=8)
 # layer 0 protected (int8 keys, 8-bit values, 16-token blocks), layer 1 the lossy base (asymmetric int2 keys)

@@ -12,7 +12,7 @@ from conftest import FIRST_PLAIN_TOKEN, VOCAB
 from hf_asymkv import AsymKVCache, cache_kwargs
 from hf_asymkv.core.reuse import CacheReuseWarning
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 
 def _prompt(n: int, seed: int) -> torch.Tensor:

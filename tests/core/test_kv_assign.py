@@ -15,7 +15,7 @@ from hf_asymkv.core.attention import asymkv_sdpa_attention
 from hf_asymkv.core.kv_view import QuantizedKV
 from hf_asymkv.core.quant import sqnr_db
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 B, H, D = 1, 2, 16
 SETTINGS = dict(key_block_size=8, residual_length=8, sink_tokens=2)

@@ -15,7 +15,7 @@ from hf_asymkv.core.compat import CROP_TAKES_LENGTH_TO_KEEP
 from hf_asymkv.core.quant import QuantSpec, compute_scale_zero, dequantize, quantize
 from hf_asymkv.core.store import GrowableBuffer
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 B, H, D = 2, 3, 16
 KEY_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")

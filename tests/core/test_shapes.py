@@ -12,6 +12,8 @@ from hf_asymkv.core.compat import DUMMY_LAYER_CLASSES
 from hf_asymkv.core.scales import config_fingerprint
 from hf_asymkv.core.shapes import LayerShape, kv_layer_indices, layer_shapes
 
+pytestmark = pytest.mark.releases  # depends on transformers' behaviour: CI reruns it on older releases
+
 needs_gemma4 = pytest.mark.skipif(not hasattr(transformers, "Gemma4TextConfig"),
                                   reason=f"Gemma4 is not in transformers {transformers.__version__} (added in 5.13)")
 

@@ -17,7 +17,7 @@ from hf_asymkv.core.attention import fused_attention
 from hf_asymkv.core.quant import sqnr_db
 from hf_asymkv.core.sinks import row_starts
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 B, H, D, S = 3, 2, 16, 4
 PADS = (0, 13, 30)  # left padding of each row

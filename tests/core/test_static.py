@@ -17,7 +17,7 @@ from hf_asymkv.bench.memory import cache_nbytes
 from hf_asymkv.core.compat import CROP_TAKES_LENGTH_TO_KEEP
 from hf_asymkv.core.static import StaticAsymKVLayer
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
 
 STEPS = 32
 SMALL = dict(key_block_size=8, residual_length=8)  # a flush every 8 tokens: 4 inside 32 steps

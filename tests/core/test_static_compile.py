@@ -21,37 +21,63 @@ from transformers import LlamaConfig
 
 from hf_asymkv import AsymKVCache
 
+pytestmark = pytest.mark.releases  # depends on transformers' behaviour: CI reruns it on older releases
+
 STEPS = 32
 SMALL = dict(key_block_size=8, residual_length=8)  # a flush every 8 tokens: 4 inside 32 steps
 
 
+def test_generate_step_traces_one_graph_and_equals_eager(llama_one_layer, prompt):
+    """``generate``'s own compile traced by dynamo alone (``backend="eager"``: no code generation), ``fullgraph=True``:
+    one graph for every step across flushes, none for a new cache, the eager static and dynamic caches' tokens. What a
+    transformers release can break (its forward's tracing, its cache calls); the fast tier's one compile (dynamo's
+    tracing of the tiny model alone costs ~10 s of CPU); inductor's code generation runs in the slow tier."""
+    check_generate_compile(llama_one_layer, prompt[:, :40], "balanced", STEPS, backend="eager", **SMALL)
+
+
+def _fused(model):
+    """A copy of ``model`` on ``attn_implementation="asymkv_sdpa"`` without any compiled call a copy would keep."""
+    import copy
+
+    from hf_asymkv import register_attention
+
+    register_attention()
+    fused = copy.deepcopy(model)
+    for name in ("_compiled_call", "_last_compile_config"):  # a copy would keep the compiled call (sdpa)
+        fused.__dict__.pop(name, None)
+    fused.set_attn_implementation("asymkv_sdpa")
+    return fused
+
+
+@pytest.mark.slow(reason="a cold inductor compile; fast twin, the same graphs traced by dynamo without code "
+                         "generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 def test_whole_forward_compiled_equals_eager(llama_one_layer, prompt):
     """Blocks quantized inside the compiled prefill (40 tokens: 3 blocks of 8 per layer) and inside the compiled steps,
     40 greedy steps (every preset: tests/compile/test_whole_forward.py, run once rather than for every release)."""
     check_whole_forward(llama_one_layer, prompt[:, :40], "balanced", 40, **SMALL)
 
 
+@pytest.mark.slow(reason="a cold inductor compile of generate's step; fast twin, traced without code generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 def test_compiled_decode_equals_eager_without_recompiling(llama_one_layer, prompt):
     check_generate_compile(llama_one_layer, prompt[:, :40], "balanced", STEPS, **SMALL)
 
 
+@pytest.mark.slow(reason="a cold inductor compile of the fused step; fast twin, traced without code generation: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 def test_fused_attention_compiled_decode_equals_eager(llama_one_layer, prompt):
     """``attn_implementation="asymkv_sdpa"``: the static layers hand their codes to the attention
     (:mod:`hf_asymkv.core.static_attention`), and the compiled step reads them in the graph: one graph, no break,
     the eager static and the dynamic (fused) caches' tokens."""
-    import copy
-
-    from hf_asymkv import register_attention
-
-    register_attention()
-    fused = copy.deepcopy(llama_one_layer)
-    for name in ("_compiled_call", "_last_compile_config"):  # a copy would keep the compiled call (sdpa)
-        fused.__dict__.pop(name, None)
-    fused.set_attn_implementation("asymkv_sdpa")
+    fused = _fused(llama_one_layer)
     assert AsymKVCache(fused.config, max_cache_len=8).fused_attention
     check_generate_compile(fused, prompt[:, :40], "compact", STEPS, **SMALL)
 
 
+@pytest.mark.slow(reason="aot_eager functionalization of 24 steps (tens of seconds); fast twin, the same read-out "
+                         "traced by dynamo: "
+                         "tests/core/test_static_compile.py::test_generate_step_traces_one_graph_and_equals_eager")
 @pytest.mark.parametrize("preset", ["balanced", "compact", "max"])
 def test_graph_read_out_equals_eager_with_left_padding(preset):
     """Inside a graph a static layer composes its read-out without in-place writes (``StaticTensorStore._compose``);

@@ -57,6 +57,8 @@ def test_the_kernel_equals_the_torch_implementation(name, monkeypatch):
         assert got.shape == expected.shape and sqnr_db(expected, got) >= FLOAT32_DB
 
 
+@pytest.mark.slow(reason="the static kernel under Triton's interpreter; fast twin: "
+                         "tests/core/test_static_kernel.py::test_the_kernel_equals_the_torch_implementation")
 @pytest.mark.parametrize("name", ["balanced", "lean"])
 def test_slots_past_the_filled_length_are_not_read(name, monkeypatch):
     """Issue 38: the kernel stops at the stored blocks (the 0-d boundary, read on the device), not at the preallocated
@@ -83,6 +85,8 @@ def test_slots_past_the_filled_length_are_not_read(name, monkeypatch):
     assert len(checked) >= 2 and (name != "lean" or 32 in checked)
 
 
+@pytest.mark.slow(reason="the static kernel under Triton's interpreter; fast twin: "
+                         "tests/core/test_static_kernel.py::test_the_kernel_equals_the_torch_implementation")
 def test_several_query_tokens_and_no_mask(monkeypatch):
     """Three query tokens per step (a speculative step), causal from the filled length when no mask is given."""
     monkeypatch.setenv(BACKEND_VAR, "triton")

@@ -50,6 +50,8 @@ def test_the_operator_equals_the_torch_function(name):
         assert torch.equal(static_attention(*static_attention_args(q, key, value, mask, 0.25)), expected)
 
 
+@pytest.mark.slow(reason="torch.library.opcheck's compile checks of the operator; fast twin: "
+                         "tests/core/test_static_op.py::test_the_operator_equals_the_torch_function")
 @pytest.mark.parametrize("name", ["balanced", "int1-values", "compact"])
 def test_opcheck(name):
     """Schema, fake (shapes and dtypes), no aliasing of inputs, and dispatch, as torch checks a custom operator.
@@ -73,6 +75,8 @@ def test_the_form_is_chosen_by_the_environment(monkeypatch):
         use_operator(cpu)
 
 
+@pytest.mark.slow(reason="an inductor compile of a decode step; fast twin: "
+                         "tests/core/test_static_op.py::test_the_operator_equals_the_torch_function")
 def test_a_compiled_step_calls_the_operator(llama, prompt, monkeypatch):
     """``fullgraph=True`` through the operator: the decode step's graph holds one call per layer, the prefill's none
     (40 query tokens take SDPA over the dense read-out); greedy tokens equal the eager static and dynamic caches'.

@@ -56,6 +56,8 @@ def test_codes_are_one_bit_wider_on_each_blocks_widest_channels(head_dim, fracti
     assert not torch.equal(dequantize(codes, scale, zero, spec), expected)
 
 
+@pytest.mark.slow(reason="an inductor compile of the encoder; fast twin: "
+                         "tests/core/test_wide.py::test_codes_are_one_bit_wider_on_each_blocks_widest_channels")
 @pytest.mark.parametrize("head_dim,fraction", [(16, 0.25), (64, 0.25)])  # 4 wide slots in one byte; 16 in two
 def test_inductor_encodes_what_eager_encodes(head_dim, fraction):
     """A block flushed inside a compiled step stores the eager bytes: inductor's CPU code for the high bits' packing

@@ -41,6 +41,8 @@ def needle(models, out: Path, *extra: str, model: str = "llama") -> int:
                  "--tasks", "single,multikey", "--schemes", "asymkv,k4v4-sym", "--quiet", "--out", str(out), *extra])
 
 
+@pytest.mark.slow(reason="a needle grid with heatmaps; fast twin: "
+                         "tests/evals/test_evals_cli.py::test_needle_text_haystack_from_a_file")
 def test_needle_writes_json_table_and_heatmaps(models, tmp_path, capsys):
     assert needle(models, tmp_path / "run") == 0
     printed = capsys.readouterr().out
@@ -67,6 +69,8 @@ def test_hybrid_model_lists_what_transformers_cannot_run(models, tmp_path, capsy
     assert json.loads((tmp_path / "needle.json").read_text())["schemes"] == ["dynamic", "asymkv"]
 
 
+@pytest.mark.slow(reason="attention, perplexity and the report end to end; fast twin: "
+                         "tests/evals/test_evals_cli.py::test_needle_text_haystack_from_a_file")
 def test_attention_ppl_and_report(models, tmp_path, capsys):
     base = ["--model", str(models["llama"]), "--schemes", "asymkv,int8-per-tensor", "--quiet", "--out", str(tmp_path)]
     assert main(["eval", "attention", "--length", "600", "--samples", "1", "--queries", "16", *base]) == 0

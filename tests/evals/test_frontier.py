@@ -28,6 +28,8 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow(reason="every scheme of the frontier with perplexity and a plot; fast twin: "
+                         "tests/evals/test_frontier.py::test_frontier_without_ppl_has_no_ppl_column_values")
 def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["eval", "frontier", "--model", str(tiny), "--lengths", "700", "--depths", "0.5", "--tasks",
@@ -60,6 +62,8 @@ def test_frontier_writes_json_table_and_plot(tiny, tmp_path, capsys):
     assert (out / "frontier.md").read_text().startswith("Command: `hf-asymkv eval frontier")
 
 
+@pytest.mark.slow(reason="the frontier on the hybrid model with perplexity; fast twin: "
+                         "tests/evals/test_frontier.py::test_frontier_without_ppl_has_no_ppl_column_values")
 def test_hybrid_model_skips_quantized_cache_and_measures_delta_ppl(tmp_path, capsys):
     model = tmp_path / "gemma3"
     _build(Gemma3ForCausalLM, hybrid_config(), seed=0).save_pretrained(model)

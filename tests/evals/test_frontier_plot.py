@@ -65,6 +65,8 @@ def test_a_count_axis_has_integer_ticks_and_shows_zero(plt):
     assert ax.get_ylim() == (-0.5, 1.5)
 
 
+@pytest.mark.slow(reason="draws the full frontier figure; fast twin: "
+                         "tests/evals/test_frontier_plot.py::test_a_count_axis_has_integer_ticks_and_shows_zero")
 def test_one_panel_per_measured_metric_and_the_number_table(plt, tmp_path, monkeypatch):
     drawn = []
     real = plt.Figure.add_subplot
@@ -95,6 +97,8 @@ def test_title_counts_in_words():
                                     "2048-token text window)")
 
 
+@pytest.mark.slow(reason="redraws a committed run's figure; fast twin: "
+                         "tests/evals/test_frontier_plot.py::test_a_count_axis_has_integer_ticks_and_shows_zero")
 def test_report_redraws_a_committed_run_from_its_json(tmp_path, capsys):
     folder = tmp_path / "smollm2"
     shutil.copytree(SMOLLM2.parent, folder)

@@ -40,6 +40,8 @@ def run(tiny: Path, out: Path, *extra: str) -> int:
                           "niah_single_1", "--limit", "2", "--max-length", "1024", "--out", str(out), *extra])
 
 
+@pytest.mark.slow(reason="lm-eval's RULER generator and two schemes end to end; fast twin: "
+                         "tests/evals/test_lm_eval_cli.py::test_full_precision_answers_are_lm_evals_own")
 def test_two_ruler_samples_two_schemes_offline_then_resumed(tiny, tmp_path, monkeypatch, capsys):
     assert run(tiny, tmp_path) == 0
     data = json.loads((tmp_path / "lm_eval.json").read_text())

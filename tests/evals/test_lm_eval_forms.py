@@ -74,6 +74,8 @@ def _run(tiny: Path, out: Path, *extra: str) -> int:
                           *extra])
 
 
+@pytest.mark.slow(reason="lm-eval's RULER generator, both forms end to end (CI runs it in the slow tier); fast twin: "
+                         "tests/evals/test_lm_eval_forms.py::test_full_precision_answers_are_lm_evals_own_in_every_form")
 def test_ci_smoke_both_forms_side_by_side(tmp_path):
     out = tmp_path / "out"
     assert _run(save_tiny_model(tmp_path / "llama"), out) == 0

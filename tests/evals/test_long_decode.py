@@ -83,6 +83,8 @@ def test_one_token_per_forward_after_the_prefill(llama, tok):
     assert len(calls) == 1 + 12 + 12 + 12 + min(rows[1].agreement[0] + 1, 12)
 
 
+@pytest.mark.slow(reason="generates and teacher-forces hundreds of steps per scheme end to end; fast twin: "
+                         "tests/evals/test_long_decode.py::test_a_window_that_holds_everything_does_no_damage")
 def test_rows_tables_and_seeds(llama, tok):
     rows = run_long_decode(llama, tok, ["dynamic", "asymkv-max"], TEXT, 100, 70, prompts=2, segment=32,
                            show_progress=False)
@@ -133,6 +135,8 @@ def long_decode(models, out, *extra, model="llama") -> int:
                  "--segment", "16", "--schemes", "asymkv-max,hf-fp8", "--quiet", "--out", str(out), *extra])
 
 
+@pytest.mark.slow(reason="generates and teacher-forces hundreds of steps per scheme end to end; fast twin: "
+                         "tests/evals/test_long_decode.py::test_a_window_that_holds_everything_does_no_damage")
 def test_long_decode_writes_json_table_and_plot(models, tmp_path, capsys):
     assert long_decode(models, tmp_path / "run", "--prompts", "2") == 0
     assert capsys.readouterr().out.startswith("Long decode: KL(full || scheme)")
@@ -146,6 +150,8 @@ def test_long_decode_writes_json_table_and_plot(models, tmp_path, capsys):
     assert (tmp_path / "run" / "long_decode.md").read_text().startswith("Command: `hf-asymkv eval long-decode")
 
 
+@pytest.mark.slow(reason="generates and teacher-forces hundreds of steps per scheme end to end; fast twin: "
+                         "tests/evals/test_long_decode.py::test_a_window_that_holds_everything_does_no_damage")
 def test_long_decode_on_a_hybrid_model_lists_what_transformers_cannot_run(models, tmp_path, capsys):
     assert long_decode(models, tmp_path, model="hybrid") == 0
     assert "Not run on this model: `hf-fp8`" in capsys.readouterr().out
@@ -166,6 +172,8 @@ def test_long_decode_bad_input_exits_2_before_any_work(models, tmp_path, capsys,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow(reason="generates and teacher-forces hundreds of steps per scheme end to end; fast twin: "
+                         "tests/evals/test_long_decode.py::test_a_window_that_holds_everything_does_no_damage")
 def test_frontier_long_decode_columns(models, tmp_path):
     from hf_asymkv.evals.frontier_plot import frontier_title
 

@@ -75,6 +75,8 @@ def test_a_pair_already_beyond_its_ratio_is_left_alone(llama, prompt):
     assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, llama.model.layers[1].self_attn.q_proj.weight)
 
 
+@pytest.mark.slow(reason="every scheme on the stress model end to end; fast twin: "
+                         "tests/evals/test_stress.py::test_outliers_keep_the_outputs_and_are_in_the_keys")
 def test_per_tensor_keys_suffer_from_the_outliers_and_per_channel_keys_do_not(llama):
     """The point of the stress model: one scale for all channels is set by the outlier and leaves the others
     coarse; a scale per channel is not moved (up to its bf16 rounding)."""
@@ -136,6 +138,8 @@ def folder(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("stress_cli") / "llama")
 
 
+@pytest.mark.slow(reason="every scheme on the stress model end to end; fast twin: "
+                         "tests/evals/test_stress.py::test_outliers_keep_the_outputs_and_are_in_the_keys")
 def test_stress_outliers_label_every_output(folder, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["eval", "attention", "--model", str(folder), "--stress-outliers", "0:150,*:10", "--length", "600",

@@ -29,12 +29,18 @@ def _collect(tmp_path: Path, require: str | None) -> subprocess.CompletedProcess
                           text=True, timeout=300)
 
 
+# A collection that gets as far as importing our kvpress tests imports torch and transformers in a new process (~30 s
+# of CPU): the fast tier keeps the bad value, refused before that.
+SLOW = pytest.mark.slow(reason="collects the kvpress tests in a new python (imports torch and transformers); fast twin: "
+                               "tests/integrations/test_kvpress_required.py::test_the_kvpress_tests_skip_or_fail_as_required")
+
+
 @pytest.mark.parametrize("require, code, message", [
-    (None, 5, r"SKIPPED .*kvpress is not installed: pip install kvpress"),
-    ("1", 2, r"MissingExtraError: presses come from NVIDIA kvpress, which is not installed \(No module named "
-             r"'kvpress' \(hidden by the test\)\)"),
-    ("yes", 2, r"HF_ASYMKV_REQUIRE_KVPRESS must be '0' .* or '1' .*, got 'yes'"),
-], ids=["unset-skips", "1-fails", "bad-value"])
+    pytest.param(None, 5, r"SKIPPED .*kvpress is not installed: pip install kvpress", marks=SLOW, id="unset-skips"),
+    pytest.param("1", 2, r"MissingExtraError: presses come from NVIDIA kvpress, which is not installed \(No module "
+                 r"named 'kvpress' \(hidden by the test\)\)", marks=SLOW, id="1-fails"),
+    pytest.param("yes", 2, r"HF_ASYMKV_REQUIRE_KVPRESS must be '0' .* or '1' .*, got 'yes'", id="bad-value"),
+])
 def test_the_kvpress_tests_skip_or_fail_as_required(tmp_path, require, code, message):
     """Exit code 5: the module skipped, nothing ran; 2: collection failed."""
 
