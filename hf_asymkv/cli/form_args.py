@@ -13,7 +13,7 @@ from .args import at_least, name_list
 
 __all__ = ["SHARED_PREFILL_CHUNK", "add_form_args", "add_shared_prefill_arg", "forms_from_args"]
 
-SHARED_PREFILL_CHUNK = 4096
+SHARED_PREFILL_CHUNK = 1024
 """Default of ``--shared-prefill-chunk`` (the same as :data:`hf_asymkv.evals.prefill.SHARED_PREFILL_CHUNK`, which
 imports torch)."""
 

@@ -21,10 +21,11 @@ from ..core.compat import cache_kwargs
 
 __all__ = ["SHARED_PREFILL_CHUNK", "prefill"]
 
-SHARED_PREFILL_CHUNK = 4096
-"""Tokens per forward of the shared full-precision prefill of the evaluations. Prompts up to this length run in
-one forward, as before chunking existed (so answers of runs at up to 4k tokens are unchanged); at 16k on
-Gemma-3-270M chunks of 4096 cost about as little as chunks of 1024 or 2048 (docs/long_context.md)."""
+SHARED_PREFILL_CHUNK = 1024
+"""Tokens per forward of the shared full-precision prefill of the evaluations. A sliding layer's work per chunk is
+``chunk x (chunk + window)``, so smaller chunks save until the per-forward overhead shows; on Gemma-3-270M at 16k
+tokens 1024 was the cheapest of one forward, 4096, 2048 and 1024 (``scripts/long_prefill_cost.py``,
+docs/long_context.md)."""
 
 
 @torch.no_grad()
