@@ -28,10 +28,10 @@ answered() {  # "<folder>: N requests" for every run folder with answers
     done | paste -sd ';' - | sed 's/;/; /g'
 }
 
-commit() {  # commit results/long_context only (other agents' work in the tree is left alone); retry while git is busy
+commit() {  # commit the result files only (not run.log, nor other agents' work in the tree); retry while git is busy
     [ "$COMMIT" = 1 ] || return 0
     for _ in 1 2 3 4 5 6; do
-        if git add "$OUT" && { git diff --cached --quiet -- "$OUT" || git commit -q -m "$1" -- "$OUT"; }; then
+        if git add -- "$OUT"/*.json "$OUT"/*/ && { git diff --cached --quiet -- "$OUT" || git commit -q -m "$1" -- "$OUT"; }; then
             return 0
         fi
         sleep 20
@@ -69,7 +69,7 @@ done
 # 3. What the shared prefill costs at 32k: one forward (before chunking) against chunks (fresh process each).
 [ -f "$OUT/prefill_cost_32k.json" ] && grep -q '"chunk": 0' "$OUT/prefill_cost_32k.json" || step \
     "Gemma-3-270M shared prefill cost at 32k, one forward vs chunks" \
-    python scripts/long_prefill_cost.py --model "$GEMMA" --lengths 32768 --chunks 4096,0 --out "$OUT/prefill_cost_32k.json"
+    python scripts/long_prefill_cost.py --model "$GEMMA" --lengths 32768 --chunks 1024,0 --out "$OUT/prefill_cost_32k.json"
 
 # 4. Gemma-3-270M, RULER niah_single_2 at 32k tokens (its position limit), both forms: 20 samples.
 for limit in 3 10 20; do
