@@ -6,6 +6,7 @@ import importlib.util
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -218,3 +219,18 @@ def refuse_network(monkeypatch) -> None:
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def tiered(values, fast, reason: str) -> list:
+    """``parametrize`` values, those named in ``fast`` in the fast tier and the others marked ``slow`` with ``reason``
+    (which names the fast twin, usually the same test's fast cases). Each value's id is its ``str``.
+
+    Example::
+
+        @pytest.mark.parametrize("name", tiered(PRESETS, {"balanced"}, "interpreter; fast twin: tests/x.py::test_y"))
+    """
+    unknown = set(fast) - {str(v) for v in values}
+    if unknown:
+        raise ValueError(f"tiered: fast cases {sorted(unknown)} are not among the values {[str(v) for v in values]}")
+    slow = pytest.mark.slow(reason=reason)
+    return [pytest.param(v, id=str(v), marks=() if str(v) in fast else slow) for v in values]

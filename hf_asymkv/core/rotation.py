@@ -54,6 +54,12 @@ def _hadamard_cpu(dim: int, dtype: torch.dtype) -> torch.Tensor:
 
 def hadamard(dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
     """The orthonormal ``[dim, dim]`` (block-)Hadamard matrix, in ``dtype`` on ``device`` (cached per device)."""
+    if torch.compiler.is_compiling():
+        # dynamo does not read an lru_cache: it traces the wrapped function into the graph (and warns that this is
+        # only right for a pure function, which this is). Calling the construction itself traces the same ops without
+        # the warning; a graph holds no cache of its own to guard on (a dict here made dynamo recompile, fe20631).
+        h = _hadamard_cpu.__wrapped__(dim, dtype)
+        return h if device is None else h.to(device)
     h = _hadamard_cpu(dim, dtype)
     return h if device is None or torch.device(device) == h.device else _hadamard_on(dim, dtype, torch.device(device))
 

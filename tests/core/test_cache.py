@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiered
 from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -374,7 +375,8 @@ _VALUE_BOUNDS = {2: (0.5, 0.1), 4: (0.85, 5e-3), 8: (0.9, 1e-3)}
 
 @pytest.mark.parametrize("sink_tokens", [0, 4], ids=["sinks0", "sinks4"])
 @pytest.mark.parametrize("value_bits", [2, 4, 8], ids=["V2", "V4", "V8"])
-@pytest.mark.parametrize("key_format", ["int8", "fp8_e4m3", "fp8_e5m2"], ids=["Kint8", "Kfp8_e4m3", "Kfp8_e5m2"])
+@pytest.mark.parametrize("key_format", tiered(["int8", "fp8_e4m3", "fp8_e5m2"], {"int8"}, "the fp8 key formats' "
+                                              "cases; fast twin: tests/core/test_cache.py::test_formats_bits_sinks_greedy"))
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
 def test_formats_bits_sinks_greedy(request, model, ctx, key_format, value_bits, sink_tokens):
     ref, exact = exact_teacher_forced(request.node.callspec.params["model"], model, ctx)
@@ -538,7 +540,9 @@ SMOLLM_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+@pytest.mark.parametrize("preset", tiered(list(PRESETS), {"balanced"}, "decodes 400 steps on SmolLM2's attention "
+                                          "shape per preset; fast twin: tests/core/test_cache.py::"
+                                          "test_short_prompts_cost_no_more_than_a_dynamic_cache"))
 def test_short_prompts_cost_no_more_than_a_dynamic_cache(preset, dtype):
     """A 37-token prompt, then decoding to 400 tokens: never more bytes than a DynamicCache in the model's dtype
     (at 37 tokens + decoding it was 0.90x: the window's growth slack), and fewer from the first quantized block on:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiered
 from test_static_op import _steps
 
 from hf_asymkv import AsymKVConfig
@@ -47,7 +48,9 @@ def test_the_cuda_implementation_is_registered():
     assert torch._C._dispatch_has_kernel_for_dispatch_key(static_attention._qualname, "CUDA")
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", tiered(list(CONFIGS), {"compact"}, "every other format under Triton's interpreter "
+                                        "(~5-30 s each); fast twin: tests/core/test_static_kernel.py::"
+                                        "test_the_kernel_equals_the_torch_implementation"))
 def test_the_kernel_equals_the_torch_implementation(name, monkeypatch):
     """Forced to the kernel (an unserved call would raise): steps before, across and after two block flushes."""
     monkeypatch.setenv(BACKEND_VAR, "triton")

@@ -82,6 +82,8 @@ def test_missing_punkt_names_the_package(tmp_path, monkeypatch):
         ensure_punkt(tmp_path)
 
 
+@pytest.mark.slow(reason="lm-eval's RULER generator over the essays (minutes of CPU); fast twin: "
+                         "tests/evals/test_lm_eval_offline.py::test_essays_from_a_file_and_from_a_folder_in_name_order")
 def test_lm_evals_essay_haystack_is_ours_inside_the_context_only(tmp_path):
     pytest.importorskip("lm_eval")
     (tmp_path / "essay.txt").write_text("Local essay words only.")
