@@ -89,7 +89,7 @@ def load_published(dir_or_repo_id: str | Path, config, *, revision: str | None =
                          "`hf-asymkv publish`)")
     try:
         published = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # (nesting deeper than Python's stack)
         raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON: {exc}") from None
     if not isinstance(published, dict):
         raise ValueError(f"{where}: {CONFIG_FILE} must hold a JSON object, got {type(published).__name__}")
@@ -104,7 +104,11 @@ def load_published(dir_or_repo_id: str | Path, config, *, revision: str | None =
     if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
         raise ValueError(f"{where}: {CONFIG_FILE} scales_file must be a file name in the folder, got {name!r}")
     scales_path = folder / name
-    if not scales_path.is_file():
+    try:
+        present = scales_path.is_file()
+    except OSError as exc:  # a name the file system refuses (longer than it allows, ...)
+        raise ValueError(f"{where}: {CONFIG_FILE} scales_file {name[:80]!r} cannot name a file: {exc.strerror}") from None
+    if not present:
         raise ValueError(f"{where}: the scales file {name!r} named by {CONFIG_FILE} is missing")
     try:
         scales = KVScales.load(scales_path, config)

@@ -158,7 +158,7 @@ class KVScales:
                              f"(supported: {list(SUPPORTED_SCALES_FORMAT_VERSIONS)}); upgrade hf-asymkv")
         try:
             fingerprint = json.loads(metadata["fingerprint"])
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (nesting deeper than Python's stack)
             fingerprint = None
         if not isinstance(fingerprint, dict):
             raise ValueError(f"{path}: metadata 'fingerprint' is not a JSON object: {metadata['fingerprint'][:80]!r}")

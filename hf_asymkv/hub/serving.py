@@ -60,10 +60,17 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index (no weight_map): {exc}") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: weight_map must be a JSON object, got {type(weight_map).__name__}")
         shards: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):  # nothing outside
+                raise ValueError(f"{index}: the shard of {name!r} is not a file name in the folder: {str(shard)[:80]!r}")
             shards.setdefault(shard, []).append(name)
-        missing = sorted(s for s in shards if not (model_dir / s).is_file())
+        try:
+            missing = sorted(s for s in shards if not (model_dir / s).is_file())
+        except OSError as exc:  # a name the file system refuses (longer than it allows, ...)
+            raise ValueError(f"{index}: a shard name the file system refuses: {exc.strerror}") from None
         if missing:
             raise ValueError(f"{index} lists shards that are not in the folder: {missing}")
         return shards
@@ -72,6 +79,30 @@ def _weight_files(model_dir: Path) -> dict[str, list[str]]:
         return {single.name: list(_tensor_bytes(single))}
     raise ValueError(f"{model_dir}: no model.safetensors or {INDEX}; export-vllm --model needs a safetensors "
                      "checkpoint (convert .bin weights with save_pretrained(..., safe_serialization=True))")
+
+
+def _read_config(model_dir: Path) -> tuple[dict, object]:
+    """``config.json`` of a checkpoint folder, as a dict and as transformers reads it.
+
+    Raises:
+        ValueError: no ``config.json``, or one that is not a JSON object or that transformers refuses (naming it).
+    """
+    from transformers import AutoConfig
+
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir}: not a checkpoint folder (no config.json)")
+    try:
+        config_dict = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8; nesting deeper than Python's stack
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(config_dict, dict) or not isinstance(config_dict.get("quantization_config", {}), dict):
+        raise ValueError(f"{path}: must hold a JSON object (with an object as quantization_config, if any)")
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - transformers refuses a config with many types (TypeError, KeyError, ...)
+        raise ValueError(f"{path}: transformers cannot read it ({type(exc).__name__}: {exc})") from None
+    return config_dict, config
 
 
 def _scale_names(names) -> list[str]:
@@ -86,7 +117,10 @@ def _check_scales(model_dir: Path, config, scales: KVScales) -> None:
             raise ValueError(f"the scales do not belong to {model_dir}: fingerprint {key!r} is {saved[key]!r} in the "
                              f"scales file but {expected[key]!r} in the model (calibrated for "
                              f"{scales.metadata.get('model_id') or 'another model'!r})")
-    scales.validate(config)  # shapes, values and the remaining fingerprint keys (rope, layer types)
+    try:
+        scales.validate(config)  # shapes, values and the remaining fingerprint keys (rope, layer types)
+    except ValueError as exc:
+        raise ValueError(f"the scales do not belong to {model_dir}: {exc}") from None
     missing = sorted(set(kv_layer_indices(config)) - set(scales.k_channel_absmax))
     if missing:
         raise ValueError(f"the scales have no ranges for layers {missing} of {model_dir}; vLLM would run those "
@@ -188,8 +222,6 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
             KV heads, head_dim or architecture), layers without scales, a checkpoint that already holds KV scales
             or another quantization method, a config compressed-tensors rejects, an unknown strategy.
     """
-    from transformers import AutoConfig
-
     from ..version import __version__
 
     if strategy not in STRATEGIES:
@@ -197,24 +229,31 @@ def export_serving_checkpoint(model_dir: str | Path, scales: KVScales | str | Pa
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
     model_dir = Path(model_dir).expanduser()
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir}: not a checkpoint folder (no config.json)")
-    config_dict = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    config = AutoConfig.from_pretrained(model_dir)
     scales_source = "a KVScales object" if isinstance(scales, KVScales) else str(Path(scales).expanduser().resolve())
     if not isinstance(scales, KVScales):
         scales = KVScales.load(scales)  # the model check below names the fingerprint key that differs
-    _check_scales(model_dir, config, scales)
-    shards = _weight_files(model_dir)
-    _check_checkpoint(model_dir, config_dict, shards)
-    qc = merged_quantization_config(config_dict.get("quantization_config"), strategy)
-    validate_quantization_config(qc)
-    heads = config_fingerprint(config)["num_key_value_heads"]
-    prefixes = attention_prefixes(config, (n for names in shards.values() for n in names),
-                                  sorted(scales.k_channel_absmax), where=str(model_dir))
-    tensors = kv_scale_tensors(scales, strategy, prefixes)
-    sglang = sglang_scales(scales, config_dict.get("model_type"), config.get_text_config(decoder=True).num_hidden_layers,
-                           tp_size)
+    config_dict, config = _read_config(model_dir)
+    try:  # a config transformers accepts may still hold fields of the wrong type (architectures: 3, ...)
+        _check_scales(model_dir, config, scales)
+        shards = _weight_files(model_dir)
+        _check_checkpoint(model_dir, config_dict, shards)
+        qc = merged_quantization_config(config_dict.get("quantization_config"), strategy)
+        validate_quantization_config(qc)
+        heads = config_fingerprint(config)["num_key_value_heads"]
+        prefixes = attention_prefixes(config, (n for names in shards.values() for n in names),
+                                      sorted(scales.k_channel_absmax), where=str(model_dir))
+        tensors = kv_scale_tensors(scales, strategy, prefixes)
+        sglang = sglang_scales(scales, config_dict.get("model_type"),
+                               config.get_text_config(decoder=True).num_hidden_layers, tp_size)
+    except ValueError as exc:  # every refusal names the checkpoint
+        if str(model_dir) in str(exc):
+            raise
+        raise ValueError(f"{model_dir}: {exc}") from None
+    except (TypeError, KeyError, AttributeError, IndexError, RuntimeError, ArithmeticError, AssertionError) as exc:
+        # (the model is built on the meta device from the config to find its attention modules: torch's layers
+        # refuse sizes of -1 or a pad id beyond the vocabulary with these)
+        raise ValueError(f"{model_dir}: a malformed checkpoint (config.json or weights): {type(exc).__name__}: "
+                         f"{exc}") from None
 
     def build(tmp: Path) -> None:
         how = _write_weights(tmp, model_dir, shards, tensors)

@@ -20,7 +20,8 @@ def computed_once(fn):
     """``functools.cache`` whose computation runs in one thread at a time: a value that is expensive or has side
     effects (compiling and loading the native read-out, defining a ``torch.library`` operator, logging a warning)
     is computed once per process and arguments, and a thread that asks meanwhile waits for it. A value already
-    computed is read without the lock. ``cache_clear()`` forgets every value (for tests)."""
+    computed is read without the lock. ``cache_clear()`` forgets every value (for tests),
+    ``cache_size()`` counts them."""
     values: dict = {}
     lock = threading.Lock()
 
@@ -36,4 +37,5 @@ def computed_once(fn):
             return values[args]
 
     call.cache_clear = values.clear
+    call.cache_size = values.__len__  # entries held (scripts/soak.py watches every process-wide table)
     return call
