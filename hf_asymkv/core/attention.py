@@ -26,6 +26,8 @@ transformers' SDPA too, so results are always those of the reference path up to 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .backend import native_fused_attention, triton_fused_attention
@@ -232,6 +234,11 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, asymkv_sdpa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    with _REGISTER_LOCK:  # transformers' process-wide registries: both entries written before any caller returns
+        AttentionInterface.register(ATTN_IMPLEMENTATION, asymkv_sdpa_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
     return ATTN_IMPLEMENTATION
+
+
+_REGISTER_LOCK = threading.Lock()
+"""Guards :func:`register` (called from any thread, as often as a request handler likes: the same entries each time)."""
