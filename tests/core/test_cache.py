@@ -658,7 +658,10 @@ _PRESET_BOUNDS = {"quality": (0.9, 1e-3), "balanced": (0.85, 5e-3), "lean": (0.8
 
 
 @pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
-@pytest.mark.parametrize("mode", list(MODES), ids=list(MODES))
+@pytest.mark.parametrize("mode", tiered(list(MODES), {"beam", "assisted"}, "every preset in every other decoding mode "
+                                        "(137 generate runs); fast twins: every preset with beam search and assisted "
+                                        "decoding here, every mode with the default: "
+                                        "tests/core/test_cache.py::test_small_window_runs_and_quantizes"))
 @pytest.mark.parametrize("model", MODEL_IDS, ids=MODEL_IDS, indirect=True)
 def test_presets_run_every_mode(request, model, mode, preset, ctx):
     """Every preset's formats (rotated values, 3/6-bit codes, asymmetric low-bit keys) through every decoding mode,

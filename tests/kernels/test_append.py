@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import layer_config
+from helpers import layer_config, tiered
 
 from hf_asymkv import AsymKVConfig
 from hf_asymkv.core import append
@@ -90,7 +90,10 @@ def _assert_same(store: dict, codes, scale, zero, wide) -> None:
         assert torch.equal(store["wide_bits"], wide.bits) and torch.equal(store["wide_channels"], wide.channels)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", tiered(list(CASES), {"balanced-keys", "balanced-values", "compact-keys", "max-values"},
+                                        "the other formats and layouts under Triton's interpreter (~1-7 s each); fast "
+                                        "twin (int8 channel keys, rotated int4 values, wide channels, 1-bit values): "
+                                        "tests/kernels/test_append.py::test_kernel_stores_the_torch_paths_bits"))
 def test_kernel_stores_the_torch_paths_bits(case):
     spec, head_dim, dtype = CASES[case]
     x = _tokens(spec, head_dim, dtype)
