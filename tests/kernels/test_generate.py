@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiered
 
 from hf_asymkv import AsymKVCache, cache_kwargs, register_attention
 from hf_asymkv.core.attention import ATTN_IMPLEMENTATION
@@ -44,7 +45,10 @@ def fused_llama(llama):
     return model
 
 
-@pytest.mark.parametrize("mode", TRITON_MODES, ids=TRITON_MODES)
+@pytest.mark.parametrize("mode", tiered(TRITON_MODES, {"greedy", "padded_batch"}, "generate under Triton's interpreter "
+                                        "(~10-30 s per mode); fast twins: greedy and the left-padded batch here, every "
+                                        "mode with the torch backend: "
+                                        "tests/core/test_attention.py::test_fused_generate_matrix_matches_dense"))
 def test_generate_matrix_matches_dense(llama, fused_llama, llama_assistant, prompt, batch3, padded_batch, mode,
                                        triton_calls):
     ctx = {"prompt": prompt, "batch3": batch3, "padded_batch": padded_batch, "assistant": llama_assistant}
@@ -56,7 +60,9 @@ def test_generate_matrix_matches_dense(llama, fused_llama, llama_assistant, prom
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS), ids=list(PRESETS))
+@pytest.mark.parametrize("preset", tiered(list(PRESETS), {"compact"}, "each preset's greedy run under Triton's "
+                                          "interpreter; fast twin: "
+                                          "tests/kernels/test_generate.py::test_presets_greedy_matches_dense"))
 def test_presets_greedy_matches_dense(llama, fused_llama, prompt, preset, triton_calls):
     def run(model):  # 32-token blocks: the prompt leaves one quantized block for every step
         cache = AsymKVCache.from_preset(preset, model.config, residual_length=8, key_block_size=32)

@@ -104,6 +104,8 @@ def _instruction_problems(row: dict) -> list[str]:
     return []
 
 
+@pytest.mark.slow(reason="compiles the decode kernel for sm_90a/sm_89 with Triton and reads its SASS (~45 s of CPU "
+                         "each); fast twin: tests/kernels/test_kernel_guards.py::test_guard_file_names_every_goal")
 def test_goal_shapes_within_committed_instructions(tmp_path):
     # every preset at the goal shapes, and sm_89's largest tiles (SHARED), compiled in one process
     rows = _compile(GOALS + SHARED, tmp_path)
@@ -122,6 +124,8 @@ def test_goal_shapes_within_committed_instructions(tmp_path):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow(reason="compiles the decode kernel for sm_90a/sm_89 with Triton and reads its SASS (~45 s of CPU "
+                         "each); fast twin: tests/kernels/test_kernel_guards.py::test_guard_file_names_every_goal")
 def test_head_dim_256_within_committed_instructions(tmp_path):
     rows = _compile(GEMMA, tmp_path)
     problems = [p for name in GEMMA for p in _resource_problems(rows[name], register_cap=False)
@@ -136,6 +140,8 @@ def test_guard_file_names_every_goal():
         assert not missing, f"Triton {version}: no figure for {missing}"
 
 
+@pytest.mark.slow(reason="compiles the decode kernel for sm_90a/sm_89 with Triton and reads its SASS (~45 s of CPU "
+                         "each); fast twin: tests/kernels/test_kernel_guards.py::test_guard_file_names_every_goal")
 def test_source_lines_account_for_the_whole_code_loop(tmp_path):
     # kernel_report.py --lines: the code loop's instructions by source line (nvdisasm's line table) sum to the loop the
     # report counts, the most expensive line is the codes' own (in triton_codes.py), and the lines name what each
