@@ -221,16 +221,20 @@ def refuse_network(monkeypatch) -> None:
     monkeypatch.setattr(socket, "create_connection", refuse)
 
 
-def tiered(values, fast, reason: str) -> list:
-    """``parametrize`` values, those named in ``fast`` in the fast tier and the others marked ``slow`` with ``reason``
-    (which names the fast twin, usually the same test's fast cases). Each value's id is its ``str``.
+def tiered(values, fast, reason: str, ids=None) -> list:
+    """``parametrize`` values, those whose id is in ``fast`` in the fast tier and the others marked ``slow`` with
+    ``reason`` (which names the fast twin, usually the same test's fast cases). Ids are ``ids`` or each value's
+    ``str``; a tuple value fills several argument names.
 
     Example::
 
         @pytest.mark.parametrize("name", tiered(PRESETS, {"balanced"}, "interpreter; fast twin: tests/x.py::test_y"))
     """
-    unknown = set(fast) - {str(v) for v in values}
+    values = list(values)
+    ids = [str(v) for v in values] if ids is None else list(ids)
+    unknown = set(fast) - set(ids)
     if unknown:
-        raise ValueError(f"tiered: fast cases {sorted(unknown)} are not among the values {[str(v) for v in values]}")
+        raise ValueError(f"tiered: fast cases {sorted(unknown)} are not among the ids {ids}")
     slow = pytest.mark.slow(reason=reason)
-    return [pytest.param(v, id=str(v), marks=() if str(v) in fast else slow) for v in values]
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i, marks=() if i in fast else slow)
+            for v, i in zip(values, ids)]

@@ -37,6 +37,7 @@ import pytest
 import torch
 from conftest import llama_config
 from faults import assert_same, cache_state, layer_state, run_interrupted
+from helpers import tiered
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -389,7 +390,9 @@ class LayerMachine(RuleBasedStateMachine):
             assert (err[:, :, q] <= bound + 2 * budget[:, :, q]).all(), "quantized element beyond its error bound"
 
 
-@pytest.mark.parametrize("key_format, value_bits, sinks, calibrated", COMBOS, ids=COMBO_IDS)
+@pytest.mark.parametrize("key_format, value_bits, sinks, calibrated", tiered(
+    COMBOS, {"Kint8-V4-sinks3-calib", "Kint4-V2-sinks0-dyn"}, "the layer machine over the other 46 format combinations "
+    "(~10 s of CPU each); fast twin: tests/core/test_fuzz.py::test_layer_against_reference", ids=COMBO_IDS))
 def test_layer_against_reference(key_format, value_bits, sinks, calibrated, single_thread):
     machine = type("Machine", (LayerMachine,), dict(key_format=key_format, value_bits=value_bits, sinks=sinks,
                                                     calibrated=calibrated))
