@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from helpers import tiered
 from kernel_cases import PAD, build, formats, padded_causal_mask, reference, specs, stored
 
 from hf_asymkv.core.presets import PRESETS
@@ -71,7 +72,10 @@ def _preset(name: str, head_dim: int = 64, **kwargs):
 HEADS_AND_QUERIES = {"mha-q1": (1, 1), "gqa3-q5": (3, 5), "gqa4-q1": (4, 1), "gqa4-q5": (4, 5)}
 
 
-@pytest.mark.parametrize("heads_and_query", list(HEADS_AND_QUERIES), ids=list(HEADS_AND_QUERIES))
+@pytest.mark.parametrize("heads_and_query", tiered(list(HEADS_AND_QUERIES), {"gqa3-q5"}, "every format at the other GQA "
+                                                   "widths and query lengths under Triton's interpreter (~3-10 s "
+                                                   "each); fast twin, every format at GQA 3 with 5 query tokens: "
+                                                   "tests/kernels/test_decode.py::test_formats"))
 @pytest.mark.parametrize("name", NAMES, ids=NAMES)
 def test_formats(name, heads_and_query):
     n_rep, q_len = HEADS_AND_QUERIES[heads_and_query]
@@ -79,13 +83,16 @@ def test_formats(name, heads_and_query):
     assert sqnr_db(ref, out) >= FLOAT32_DB
 
 
-@pytest.mark.parametrize("name", NAMES, ids=NAMES)
+@pytest.mark.parametrize("name", tiered(NAMES, {"balanced", "compact"}, "the other formats at head_dim 128 under "
+                                        "Triton's interpreter; fast twin: tests/kernels/test_decode.py::test_head_dim_128"))
 def test_head_dim_128(name):
     out, ref = _preset(name, head_dim=128, n_rep=4, blocks=1)
     assert sqnr_db(ref, out) >= FLOAT32_DB
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", tiered(list(PRESETS), {"balanced"}, "the other presets at head_dim 256 under Triton's "
+                                        "interpreter; fast twin: "
+                                        "tests/kernels/test_decode.py::test_head_dim_256_reads_two_value_groups_on_the_fast_path"))
 def test_head_dim_256_reads_two_value_groups_on_the_fast_path(name):
     # Gemma's head_dim: values carry a scale per 128 channels (the default group), two per token; the fast path
     # takes one product per group into accumulators of their own (measured 68-88 dB)
