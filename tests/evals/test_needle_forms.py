@@ -24,7 +24,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def task(tok):
-    return make_task(tok, "multikey", 700, 0.5, seed=3)
+    return make_task(tok, "multikey", 600, 0.5, seed=3)
 
 
 def test_question_starts_at_the_newline_before_the_question(tok, task):

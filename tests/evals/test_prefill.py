@@ -21,7 +21,7 @@ def ids() -> torch.Tensor:
     return torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (1, LENGTH), generator=g)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, 199], ids=["one-token", "inside-window", "chunks", "all-but-one"])
+@pytest.mark.parametrize("chunk", [5, 64, 199], ids=["inside-window", "across-window", "all-but-one"])
 def test_chunked_prefill_equals_one_forward(model, ids, chunk):
     whole, chunked = DynamicCache(config=model.config), DynamicCache(config=model.config)
     expected = prefill(model, ids, whole)
