@@ -26,7 +26,7 @@ from hf_asymkv.bench.memory import cache_nbytes
 from hf_asymkv.core.cache import UnquantizedLayersWarning
 from hf_asymkv.core.shapes import layer_shapes
 
-pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512, vocab_size=1024, pad_token_id=0, bos_token_id=1,

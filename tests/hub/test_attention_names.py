@@ -26,8 +26,6 @@ from hf_asymkv.hub.attention_names import attention_prefixes
 from hf_asymkv.hub.serving import SCALES_SHARD, export_serving_checkpoint
 from hf_asymkv.hub.vllm import read_vllm_scales
 
-pytestmark = pytest.mark.releases  # depends on transformers' behaviour: CI reruns it on older releases
-
 pytest.importorskip("compressed_tensors")  # transformers needs it to load the exported config
 
 
