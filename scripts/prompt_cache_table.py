@@ -51,7 +51,7 @@ def main(folder: str = "results/prompt_cache") -> int:
     lines = ["Command: `OMP_NUM_THREADS=1 nohup scripts/prompt_cache_runs.sh > prompt_cache_runs.log 2>&1 &`, then "
              "`python scripts/prompt_cache_table.py` (this page); each run's `hf-asymkv prompt-cache` command line is in "
              "its JSON file (`meta.command`).", "",
-             "One thread, on a 2-core machine shared with other work (load average 7-9): times are noisy, the ratio of "
+             "One thread, on a 2-core machine shared with other work (load average 6-9): times are noisy, the ratio of "
              "two times in the same run less so. Load and first-token times are the mean over the run's two questions "
              "(each loads the file afresh, from the page cache: the file was just written). `same tokens`: both answers "
              "from the loaded file equal those from a copy of the cache still in memory. `fresh load`: the file loaded "
