@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -300,6 +301,55 @@ def test_interrupt_at_every_13th_line_leaves_layer_as_before(steps, what, n, cal
     """The same promise on every 13th line of each call."""
     landed = _sweep(steps, what, n, calibrated, stride=13)
     assert len(landed) > 2, landed
+
+
+def _static_sweep(stride: int) -> Counter:
+    """Interrupt a static layer's decode step (one that stores a block) at core line 1, 1 + stride, ...: each time
+    the layer is as before, or refuses use (then ``reset()``), or, interrupted on its ``return``, as after."""
+    config = SWEEP_CONFIG.resolved([8]).layer_config()
+    base = StaticAsymKVLayer(config, 40)
+    base.update(*_tokens(8, 0))  # 2 sinks + 6 in the window: the next token stores the first block
+    new = _tokens(1, 1)
+    done = copy.deepcopy(base)
+    done.update(*new)
+    states = {"before": layer_state(base), "after": layer_state(done)}
+    outcomes = Counter()
+    for k in itertools.count(1, stride):
+        layer = copy.deepcopy(base)
+        where = run_interrupted(lambda: layer.update(*new), k)
+        if where is None:
+            return outcomes
+        try:
+            state = layer_state(layer)
+        except InterruptedUpdateError:
+            outcomes["poisoned"] += 1
+            layer.reset()
+            continue
+        same = [name for name, want in states.items() if _equal(state, want)]
+        assert same, f"an interrupt at {where} left the static layer neither as before, nor after, nor refusing"
+        outcomes[same[0]] += 1
+
+
+def _equal(a, b) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_static_interrupt_at_every_11th_line_is_undone_or_refused(single_thread):
+    outcomes = _static_sweep(stride=11)
+    assert outcomes["before"] and outcomes["poisoned"], outcomes
+
+
+@pytest.mark.slow(reason="every line of a static decode step, a layer copied and traced per line: ~10 s; fast twin: "
+                         "tests/core/test_rollback.py::test_static_interrupt_at_every_11th_line_is_undone_or_refused")
+def test_static_interrupt_at_every_line_is_undone_or_refused(single_thread, capsys):
+    outcomes = _static_sweep(stride=1)
+    with capsys.disabled():
+        print(f"\nstatic decode step interrupted at every core line: {dict(outcomes)}")
+    assert outcomes["before"] and outcomes["poisoned"], outcomes
 
 
 # ------------------------------------------------------------------------------------------------ the snapshot itself
