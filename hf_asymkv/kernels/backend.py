@@ -38,7 +38,7 @@ def requested_backend() -> str:
     return env_choice(ENV_VAR, BACKENDS, "an attention backend")
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)  # process-wide, immutable: a race imports Triton (under the import lock) twice at most
 def triton_version() -> str | None:
     """Triton's version, or None when it cannot be imported."""
     try:
