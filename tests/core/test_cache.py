@@ -516,6 +516,28 @@ def test_a_prefill_leaves_what_the_footprint_reports(llama, preset, prefill, sta
     assert footprint["tokens"] == 300
 
 
+def test_a_model_that_returned_its_attentions_still_settles_its_prefill(llama):
+    """transformers 5 leaves a recording hook on every attention module once a model is asked for its attentions or
+    hidden states; that hook reads no cache, so a later prefill is quantized as it arrives, as on a model never asked
+    (a CI run: a test asked for attentions on the session model, and later prefills on its worker left
+    ``pending_*``). A hook of the user's own on the same module still holds the update (a press reads it)."""
+    model = copy.deepcopy(llama)
+    ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model(ids[:, :40], output_attentions=True, output_hidden_states=True).hidden_states
+    assert len(hidden) == len(model.model.layers) + 1  # (sdpa returns no attention weights; the hooks stay anyway)
+    for hooked in (False, True):
+        handle = model.model.layers[-1].self_attn.register_forward_hook(lambda *args: None) if hooked else None
+        cache = AsymKVCache.from_preset("balanced", model.config)
+        with torch.no_grad():
+            model(ids, **cache_kwargs(cache))
+        if handle is not None:
+            handle.remove()
+        held = {part for part in cache.memory_footprint() if part.startswith("pending_")}
+        assert held == ({"pending_keys", "pending_values"} if hooked else set()), hooked
+        assert cache.held_layer == (len(model.model.layers) - 1 if hooked else None)
+
+
 @pytest.mark.parametrize("preset", ["balanced", "max"])
 def test_ratio_vs_bf16_is_the_same_on_fp32_and_bf16_models(llama, preset):
     """``ratio_vs_bf16`` (the README's, the demo's and the Quick start's basis) is the cache's real ratio on a bf16
