@@ -37,13 +37,17 @@ class Watcher(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for path in self.folder.glob("cpu_readout-*.so") if self.folder.exists() else ():
-                try:
-                    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                except FileNotFoundError:
-                    continue
-                self.seen.setdefault(path.name, set()).add(digest)
+            self.look()
             time.sleep(0.002)
+        self.look()  # once more after the builds: a loaded machine may not have scheduled this thread since the rename
+
+    def look(self) -> None:
+        for path in self.folder.glob("cpu_readout-*.so") if self.folder.exists() else ():
+            try:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            except FileNotFoundError:
+                continue
+            self.seen.setdefault(path.name, set()).add(digest)
 
     def __enter__(self) -> Watcher:
         self.start()
