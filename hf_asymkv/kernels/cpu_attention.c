@@ -102,16 +102,27 @@ static inline v8sf load8(const float *p) {
 
 static inline void store8(float *p, v8sf v) { memcpy(p, &v, sizeof v); }
 
+static inline void store4(float *p, v8sf v) { memcpy(p, &v, 4 * sizeof(float)); } /* lanes 0-3 */
+
 static inline v8sf select8(v8si which, v8sf a, v8sf b) { return (v8sf)((which & (v8si)a) | (~which & (v8si)b)); }
 
-/* 8 codes (one byte each, signed or unsigned) as float32 */
-static inline v8sf codes8(const int8_t *p, int unsigned_codes) {
+/* 8 codes (one byte each) as float32: signed (s8) or unsigned (u8) bytes */
+static inline v8sf s8(const int8_t *p) {
 #ifdef ASYMKV_AVX2
-    __m128i x = _mm_loadl_epi64((const __m128i *)p);
-    return (v8sf)_mm256_cvtepi32_ps(unsigned_codes ? _mm256_cvtepu8_epi32(x) : _mm256_cvtepi8_epi32(x));
+    return (v8sf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #else
     v8sf f;
-    for (int i = 0; i < 8; i++) f[i] = unsigned_codes ? (float)((const uint8_t *)p)[i] : (float)p[i];
+    for (int i = 0; i < 8; i++) f[i] = (float)p[i];
+    return f;
+#endif
+}
+
+static inline v8sf u8(const int8_t *p) {
+#ifdef ASYMKV_AVX2
+    return (v8sf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    v8sf f;
+    for (int i = 0; i < 8; i++) f[i] = (float)((const uint8_t *)p)[i];
     return f;
 #endif
 }
@@ -214,37 +225,90 @@ static void load_row(const void *base, int64_t i, int64_t d, int64_t kind, float
 
 /* ---------------------------------------------------------------------------------------------------- unpacking */
 
-/* dst[e] (= or |= shifted by `shift`) bits [s, s + w) of src[e], for n bytes, as int8 codes; the byte shift is a
- * constant in each case, so the loop stays in byte lanes. */
-#define PLANE_CASE(S)                                                                                          \
+/* dst[e] = bits [s, s + w) of src[e] (the first plane set), or dst[e] |= them shifted up by `shift` (the later ones),
+ * for n bytes: every shift is a constant of its case, so the loops stay in byte lanes (a variable shift would widen
+ * each lane to 32 bits). Later plane sets start at bit 2, 4 or 6 (plane widths 4, 2, 1 summed low first). */
+#define FIRST_CASE(S)                                                                                          \
     case S:                                                                                                     \
-        if (first)                                                                                              \
-            for (int64_t e = 0; e < n; e++) dst[e] = (int8_t)((uint8_t)(src[e] >> S) & mask);                   \
-        else                                                                                                    \
-            for (int64_t e = 0; e < n; e++) dst[e] |= (int8_t)(((uint8_t)(src[e] >> S) & mask) << shift);       \
-        break;
+        for (int64_t e = 0; e < n; e++) dst[e] = (int8_t)((uint8_t)(src[e] >> S) & mask);                       \
+        return;
+#define OR_CASE(S, SHIFT)                                                                                      \
+    case S * 8 + SHIFT:                                                                                         \
+        for (int64_t e = 0; e < n; e++) dst[e] |= (int8_t)((uint8_t)(((uint8_t)(src[e] >> S) & mask) << SHIFT)); \
+        return;
+#define OR_CASES(SHIFT) OR_CASE(0, SHIFT) OR_CASE(1, SHIFT) OR_CASE(2, SHIFT) OR_CASE(3, SHIFT) OR_CASE(4, SHIFT) \
+    OR_CASE(5, SHIFT) OR_CASE(6, SHIFT) OR_CASE(7, SHIFT)
 
 static void decode_plane(const uint8_t *restrict src, int8_t *restrict dst, int64_t n, int s, int w, int shift,
                          int first) {
     uint8_t mask = (uint8_t)((1 << w) - 1);
-    switch (s) {
-        PLANE_CASE(0)
-        PLANE_CASE(1)
-        PLANE_CASE(2)
-        PLANE_CASE(3)
-        PLANE_CASE(4)
-        PLANE_CASE(5)
-        PLANE_CASE(6)
-        PLANE_CASE(7)
+    if (first)
+        switch (s) {
+            FIRST_CASE(0)
+            FIRST_CASE(1)
+            FIRST_CASE(2)
+            FIRST_CASE(3)
+            FIRST_CASE(4)
+            FIRST_CASE(5)
+            FIRST_CASE(6)
+            FIRST_CASE(7)
+        }
+    switch (s * 8 + shift) {
+        OR_CASES(2)
+        OR_CASES(4)
+        OR_CASES(6)
     }
+    for (int64_t e = 0; e < n; e++) /* (no plane set starts elsewhere; kept for completeness) */
+        dst[e] |= (int8_t)(((src[e] >> s) & mask) << shift);
 }
 
 /* The sub-byte codes of `count` tokens starting at `rows` (a whole block in the "tokens" layout) as int8 codes
  * [count, d], the storage offset removed. */
+#ifdef ASYMKV_AVX2
+/* bits [s, s + w) of 32 bytes, w given by `mask` ((1 << w) - 1 in every byte): 16-bit lanes shifted by a count from a
+ * register, then the byte mask (the bits that cross from a lane's high byte land at or above bit 8 - s >= w). */
+static inline __m256i bits32(const uint8_t *p, int s, __m256i mask) {
+    return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p), _mm_cvtsi32_si128(s)), mask);
+}
+
+/* A token-packed block of one or two plane sets (every sub-byte width but 7 bits) decoded 32 bytes at a time: each
+ * code byte written once, the second set's bits OR-ed in while in registers, the offset removed there too. Returns 0
+ * (nothing done) for blocks whose planes are not whole multiples of 32 bytes, and for three plane sets. */
+static int unpack_tokens_avx2(const asymkv_codes *c, const uint8_t *restrict rows, int64_t count, int64_t d,
+                              int8_t *restrict out) {
+    if (c->plane_count > 2)
+        return 0;
+    int w0 = (int)c->planes[0], w1 = c->plane_count == 2 ? (int)c->planes[1] : 0;
+    int64_t r0 = count * w0 / 8, r1 = w1 ? count * w1 / 8 : r0; /* byte rows of a plane in each set */
+    if (r1 * d % 32)
+        return 0;
+    const uint8_t *high = rows + r0 * d; /* the second set's rows; its plane j holds tokens [j r1, (j + 1) r1) */
+    __m256i m0 = _mm256_set1_epi8((char)((1 << w0) - 1)), m1 = _mm256_set1_epi8((char)((1 << w1) - 1));
+    __m256i offset = _mm256_set1_epi8((char)c->offset);
+    __m128i up = _mm_cvtsi32_si128(w0);
+    for (int64_t run = 0; run < count / r1; run++) { /* tokens [run r1, (run + 1) r1) */
+        int64_t t0 = run * r1, plane = t0 / r0;
+        const uint8_t *low = rows + (t0 % r0) * d;
+        int8_t *o = out + t0 * d;
+        for (int64_t e = 0; e < r1 * d; e += 32) {
+            __m256i v = bits32(low + e, (int)(plane * w0), m0);
+            if (w1)
+                v = _mm256_or_si256(v, _mm256_sll_epi16(bits32(high + e, (int)(run * w1), m1), up));
+            _mm256_storeu_si256((__m256i *)(o + e), _mm256_sub_epi8(v, offset));
+        }
+    }
+    return 1;
+}
+#endif
+
 static void unpack_codes(const asymkv_codes *c, const uint8_t *restrict rows, int64_t count, int64_t d,
                          int8_t *restrict out) {
     int64_t start = 0;
     int shift = 0;
+#ifdef ASYMKV_AVX2
+    if (c->tokens_layout && unpack_tokens_avx2(c, rows, count, d, out))
+        return;
+#endif
     if (c->tokens_layout) {
         for (int64_t k = 0; k < c->plane_count; k++) {
             int w = (int)c->planes[k];
@@ -317,9 +381,8 @@ typedef struct { /* one run's online softmax: rows R, head_dim D */
 
 typedef struct { /* per-thread scratch, sized by the block, never by the context */
     int8_t *key_codes, *value_codes; /* [block, D] unpacked sub-byte codes */
-    v8si *wide_mask;                 /* [block, wide slots / 8] which wide slots have their high bit set */
     float *query;                    /* [R, D] this (b, h)'s query rows, scaled, float32 */
-    float *qs, *bias, *wide_q;       /* [R, D], [R], [R, wide slots] */
+    float *qs, *bias;                /* [R, D], [R] */
     float *scores;                   /* [R, max(block, EXACT_CHUNK)] */
     float *weights;                  /* [R, block] value weights p * s of one channel group */
     float *value_scale, *value_zero; /* [block, groups] */
@@ -405,63 +468,92 @@ static int online_softmax(const asymkv_attention *p, run_state *s, float *scores
 
 /* ---------------------------------------------------------------------------------------------------- blocks */
 
-/* The query folded with block `blk`'s key scales (qs = q * s) and its per-row constant (bias), and the wide
- * channels' 2^bits (q * s) in their slots (wide_q, zero-padded to a multiple of 8). */
+/* The query folded with block `blk`'s key scales (qs = q * s) and its per-row constant (bias: q . z, less the wide
+ * channels' extra symmetric offset times their q * s). */
 static void fold_key_block(const asymkv_attention *p, const float *q, int64_t b, int64_t h, int64_t blk, scratch *w) {
     const asymkv_codes *k = &p->keys;
     int64_t d = p->head_dim, cg = k->channel_group, groups = d / cg;
     int64_t meta = b * k->meta_stride_b + h * k->meta_stride_h + blk * groups;
     float scale[MAX_HEAD_DIM], zero[MAX_HEAD_DIM];
-    for (int64_t c = 0; c < d; c++) {
-        scale[c] = load_meta(k->scale, meta + c / cg, k->meta_kind);
-        zero[c] = k->zero ? load_meta(k->zero, meta + c / cg, k->meta_kind) : 0.0f;
+    meta_to_float(k->scale, meta, groups, k->meta_kind, scale);
+    if (k->zero)
+        meta_to_float(k->zero, meta, groups, k->meta_kind, zero);
+    else
+        memset(zero, 0, sizeof zero);
+    for (int64_t c = d - 1; cg > 1 && c >= 0; c--) { /* one scale per group of channels: spread onto its channels */
+        scale[c] = scale[c / cg];
+        zero[c] = zero[c / cg];
     }
-    const uint8_t *channels = k->wide_bits ? k->wide_channels + b * k->wide_channels_stride_b +
-                                                 h * k->wide_channels_stride_h + blk * k->wide_count
-                                           : 0;
-    int64_t slots = (k->wide_count + 7) / 8 * 8;
+    const uint8_t *channels = k->wide_bits && k->wide_offset ? k->wide_channels + b * k->wide_channels_stride_b +
+                                                                   h * k->wide_channels_stride_h + blk * k->wide_count
+                                                             : 0;
     for (int64_t r = 0; r < p->rows; r++) {
         const float *qr = q + r * d;
-        float *qs = w->qs + r * d, dot = 0.0f, wide = 0.0f;
-        for (int64_t c = 0; c < d; c++) {
-            qs[c] = qr[c] * scale[c];
-            dot += qr[c] * zero[c];
+        float *qs = w->qs + r * d, wide = 0.0f;
+        v8sf dot = splat(0.0f);
+        for (int64_t c = 0; c < d; c += 8) {
+            v8sf x = load8(qr + c);
+            store8(qs + c, x * load8(scale + c));
+            if (k->zero)
+                dot = fma8(x, load8(zero + c), dot);
         }
-        float *wq = w->wide_q + r * slots;
-        for (int64_t j = 0; j < slots; j++) {
-            float x = channels && j < k->wide_count ? qs[channels[j]] : 0.0f;
-            wq[j] = x * (float)(1 << k->bits);
-            wide += x;
-        }
-        w->bias[r] = dot - (float)k->wide_offset * wide;
+        for (int64_t j = 0; channels && j < k->wide_count; j++) wide += qs[channels[j]];
+        w->bias[r] = hsum8(dot) - (float)k->wide_offset * wide;
     }
 }
 
-/* Per token of the block, which of its wide slots have the high bit set: masks [count, slots / 8] of 8 lanes. */
-static void wide_masks(const uint8_t *restrict high, int64_t count, int64_t bytes, int64_t slots, v8si *restrict out) {
-    const v8si select = {1, 2, 4, 8, 16, 32, 64, 128};
-    for (int64_t t = 0; t < count; t++)
-        for (int64_t j = 0; j < slots / 8; j++) {
-            int32_t byte = high[t * bytes + j];
-            out[t * (slots / 8) + j] = ((v8si){byte, byte, byte, byte, byte, byte, byte, byte} & select) != 0;
+/* The wide channels' high bits folded into a block's int8 codes [count, d]: 2^bits added where a token's bit is set
+ * (channels: the block's R wide channels, slot j; high: [count, bytes], slot j in bit j % 8 of byte j / 8). With AVX2
+ * and up to 8 bytes of bits per token: per 32 channels one byte shuffle picks each channel's byte of the token's
+ * bits, a mask its bit (channels that are not wide: none), and the levels are added where it is set. */
+static void add_wide_bits(const asymkv_codes *k, const uint8_t *restrict channels, const uint8_t *restrict high,
+                          int64_t count, int64_t d, int8_t *restrict codes) {
+    int64_t bytes = k->wide_bytes;
+#ifdef ASYMKV_AVX2
+    if (bytes <= 8 && d % 32 == 0) {
+        uint8_t index[MAX_HEAD_DIM], bit[MAX_HEAD_DIM];
+        memset(index, 0x80, (size_t)d); /* a shuffle index with its top bit set gives 0 */
+        memset(bit, 0, (size_t)d);
+        for (int64_t j = 0; j < k->wide_count; j++) {
+            index[channels[j]] = (uint8_t)(j / 8);
+            bit[channels[j]] = (uint8_t)(1 << (j % 8));
         }
+        __m256i levels = _mm256_set1_epi8((char)(1 << k->bits)), zero = _mm256_setzero_si256();
+        for (int64_t t = 0; t < count; t++) {
+            uint64_t word = 0;
+            memcpy(&word, high + t * bytes, (size_t)bytes);
+            __m256i token = _mm256_set1_epi64x((long long)word);
+            for (int64_t c = 0; c < d; c += 32) {
+                __m256i picked = _mm256_shuffle_epi8(token, _mm256_loadu_si256((const __m256i *)(index + c)));
+                __m256i set = _mm256_and_si256(picked, _mm256_loadu_si256((const __m256i *)(bit + c)));
+                __m256i add = _mm256_andnot_si256(_mm256_cmpeq_epi8(set, zero), levels);
+                __m256i *row = (__m256i *)(codes + t * d + c);
+                _mm256_storeu_si256(row, _mm256_add_epi8(_mm256_loadu_si256(row), add));
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < count; t++)
+        for (int64_t j = 0; j < k->wide_count; j++)
+            if ((high[t * bytes + j / 8] >> (j % 8)) & 1)
+                codes[t * d + channels[j]] = (int8_t)(codes[t * d + channels[j]] + (1 << k->bits));
 }
 
 /* Scores of `count` tokens (count a multiple of 4) for ROWS (<= 3) query rows: 4 tokens x ROWS rows of partial dot
- * products in registers, each token's codes converted once per tile, the wide slots' share added before the reduction.
- *   codes [count, d] bytes; qs [ROWS, d]; wq [ROWS, vectors * 8] and masks [count, vectors] (vectors 0: no wide). */
-#define KEY_TILE(ROWS)                                                                                         \
-    static void key_tile_##ROWS(const int8_t *restrict codes, int unsigned_codes, int64_t d, int64_t count,   \
-                                const float *restrict qs, const float *restrict bias, const float *restrict wq, \
-                                const v8si *restrict masks, int64_t vectors, float *restrict scores, int64_t ld) { \
+ * products in registers, each token's codes converted once per tile (CONV: s8 or u8).
+ *   codes [count, d] bytes; qs [ROWS, d] (row stride d); bias [ROWS]; scores [ROWS, ld]. */
+#define KEY_TILE(ROWS, CONV)                                                                                   \
+    static void key_tile_##ROWS##_##CONV(const int8_t *restrict codes, int64_t d, int64_t count,              \
+                                         const float *restrict qs, const float *restrict bias,                \
+                                         float *restrict scores, int64_t ld) {                                  \
         for (int64_t t = 0; t < count; t += 4) {                                                                \
             const int8_t *k = codes + t * d;                                                                    \
             v8sf a[ROWS][4];                                                                                    \
             for (int i = 0; i < ROWS; i++)                                                                      \
                 a[i][0] = a[i][1] = a[i][2] = a[i][3] = splat(0.0f);                                            \
             for (int64_t c = 0; c < d; c += 8) {                                                                \
-                v8sf k0 = codes8(k + c, unsigned_codes), k1 = codes8(k + d + c, unsigned_codes);                \
-                v8sf k2 = codes8(k + 2 * d + c, unsigned_codes), k3 = codes8(k + 3 * d + c, unsigned_codes);    \
+                v8sf k0 = CONV(k + c), k1 = CONV(k + d + c), k2 = CONV(k + 2 * d + c), k3 = CONV(k + 3 * d + c); \
                 for (int i = 0; i < ROWS; i++) {                                                                \
                     v8sf x = load8(qs + i * d + c);                                                             \
                     a[i][0] = fma8(x, k0, a[i][0]);                                                             \
@@ -470,91 +562,76 @@ static void wide_masks(const uint8_t *restrict high, int64_t count, int64_t byte
                     a[i][3] = fma8(x, k3, a[i][3]);                                                             \
                 }                                                                                               \
             }                                                                                                   \
-            for (int64_t v = 0; v < vectors; v++)                                                               \
-                for (int i = 0; i < ROWS; i++) {                                                                \
-                    v8si slot = (v8si)load8(wq + i * vectors * 8 + v * 8);                                      \
-                    for (int j = 0; j < 4; j++) a[i][j] += (v8sf)(slot & masks[(t + j) * vectors + v]);         \
-                }                                                                                               \
-            for (int i = 0; i < ROWS; i++) {                                                                    \
-                v8sf sum = reduce4(a[i][0], a[i][1], a[i][2], a[i][3]);                                         \
-                for (int j = 0; j < 4; j++) scores[i * ld + t + j] = sum[j] + bias[i];                          \
-            }                                                                                                   \
+            for (int i = 0; i < ROWS; i++)                                                                      \
+                store4(scores + i * ld + t, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]) + splat(bias[i]));      \
         }                                                                                                       \
     }
-KEY_TILE(1)
-KEY_TILE(2)
-KEY_TILE(3)
+KEY_TILE(1, s8)
+KEY_TILE(2, s8)
+KEY_TILE(3, s8)
+KEY_TILE(1, u8)
+KEY_TILE(2, u8)
+KEY_TILE(3, u8)
+
+typedef void (*key_tile_fn)(const int8_t *, int64_t, int64_t, const float *, const float *, float *, int64_t);
+static const key_tile_fn key_tiles[2][3] = {{key_tile_1_s8, key_tile_2_s8, key_tile_3_s8},
+                                            {key_tile_1_u8, key_tile_2_u8, key_tile_3_u8}};
 
 /* Scores [R, ld] of the `count` tokens of key block `blk` (tokens [first, first + count)). */
 static void key_block_scores(const asymkv_attention *p, const float *q, int64_t b, int64_t h, int64_t blk,
                              int64_t first, int64_t count, scratch *w, float *scores, int64_t ld) {
     const asymkv_codes *k = &p->keys;
-    int64_t d = p->head_dim, slots = (k->wide_count + 7) / 8 * 8, vectors = slots / 8, tiled = count / 4 * 4;
+    int64_t d = p->head_dim, tiled = count / 4 * 4;
     int unsigned_codes;
     fold_key_block(p, q, b, h, blk, w);
     const int8_t *codes = block_codes(k, b, h, first, count, d, w->key_codes, &unsigned_codes);
-    if (k->wide_bits)
-        wide_masks(k->wide_bits + b * k->wide_bits_stride_b + h * k->wide_bits_stride_h + first * k->wide_bytes,
-                   count, k->wide_bytes, slots, w->wide_mask);
+    if (k->wide_bits) /* (sub-byte codes only: they are in the scratch) */
+        add_wide_bits(k, k->wide_channels + b * k->wide_channels_stride_b + h * k->wide_channels_stride_h +
+                             blk * k->wide_count,
+                      k->wide_bits + b * k->wide_bits_stride_b + h * k->wide_bits_stride_h + first * k->wide_bytes,
+                      count, d, w->key_codes);
     for (int64_t r = 0; r < p->rows; r += 3) {
         int64_t n = p->rows - r < 3 ? p->rows - r : 3;
-        const float *qs = w->qs + r * d, *bias = w->bias + r, *wq = w->wide_q + r * slots;
-        float *out = scores + r * ld;
-        if (n == 3)
-            key_tile_3(codes, unsigned_codes, d, tiled, qs, bias, wq, w->wide_mask, vectors, out, ld);
-        else if (n == 2)
-            key_tile_2(codes, unsigned_codes, d, tiled, qs, bias, wq, w->wide_mask, vectors, out, ld);
-        else
-            key_tile_1(codes, unsigned_codes, d, tiled, qs, bias, wq, w->wide_mask, vectors, out, ld);
+        key_tiles[unsigned_codes][n - 1](codes, d, tiled, w->qs + r * d, w->bias + r, scores + r * ld, ld);
     }
-    for (int64_t t = tiled; t < count; t++) { /* blocks of a few tokens (not a multiple of 4) */
-        float row[MAX_HEAD_DIM];
-        for (int64_t c = 0; c < d; c++) row[c] = unsigned_codes ? (float)((const uint8_t *)codes)[t * d + c]
-                                                                : (float)codes[t * d + c];
+    for (int64_t t = tiled; t < count; t++) /* blocks of a few tokens (not a multiple of 4) */
         for (int64_t r = 0; r < p->rows; r++) {
             float sum = w->bias[r];
-            for (int64_t c = 0; c < d; c++) sum += w->qs[r * d + c] * row[c];
-            for (int64_t j = 0; j < slots; j++)
-                sum += w->wide_mask[t * vectors + j / 8][j % 8] ? w->wide_q[r * slots + j] : 0.0f;
+            for (int64_t c = 0; c < d; c++)
+                sum += w->qs[r * d + c] * (unsigned_codes ? (float)((const uint8_t *)codes)[t * d + c]
+                                                          : (float)codes[t * d + c]);
             scores[r * ld + t] = sum;
         }
-    }
 }
 
-/* acc[ROWS][2] += sum over tokens of weights[row][t] * codes[t][c0 : c0 + 8 * lanes], lanes 1 or 2 vectors: the value
- * mix of `ROWS` query rows over one tile of channels, the accumulators held in registers. */
-#define MIX_TILE(ROWS)                                                                                         \
-    static void mix_tile_##ROWS(const int8_t *restrict codes, int unsigned_codes, int64_t d, int64_t count,  \
-                                const float *restrict weights, int64_t ld, float *restrict acc, int lanes) {   \
-        v8sf a[ROWS][2];                                                                                        \
-        for (int i = 0; i < ROWS; i++) {                                                                        \
-            a[i][0] = load8(acc + i * d);                                                                       \
-            a[i][1] = lanes == 2 ? load8(acc + i * d + 8) : splat(0.0f);                                        \
-        }                                                                                                       \
-        if (lanes == 2)                                                                                         \
-            for (int64_t t = 0; t < count; t++) {                                                               \
-                v8sf c0 = codes8(codes + t * d, unsigned_codes), c1 = codes8(codes + t * d + 8, unsigned_codes); \
-                for (int i = 0; i < ROWS; i++) {                                                                \
-                    v8sf x = splat(weights[i * ld + t]);                                                        \
-                    a[i][0] = fma8(x, c0, a[i][0]);                                                             \
-                    a[i][1] = fma8(x, c1, a[i][1]);                                                             \
-                }                                                                                               \
+/* acc[ROWS][8 * LANES] += sum over tokens of weights[row][t] * codes[t][0 : 8 * LANES]: the value mix of ROWS query
+ * rows over one tile of channels, the accumulators held in registers (CONV: s8 or u8 codes). */
+#define MIX_TILE(ROWS, LANES, CONV)                                                                            \
+    static void mix_##ROWS##_##LANES##_##CONV(const int8_t *restrict codes, int64_t d, int64_t count,          \
+                                              const float *restrict weights, int64_t ld, float *restrict acc) { \
+        v8sf a[ROWS][LANES];                                                                                    \
+        for (int i = 0; i < ROWS; i++)                                                                          \
+            for (int l = 0; l < LANES; l++) a[i][l] = load8(acc + i * d + 8 * l);                               \
+        for (int64_t t = 0; t < count; t++) {                                                                   \
+            v8sf x[ROWS];                                                                                       \
+            for (int i = 0; i < ROWS; i++) x[i] = splat(weights[i * ld + t]);                                   \
+            for (int l = 0; l < LANES; l++) {                                                                   \
+                v8sf c = CONV(codes + t * d + 8 * l);                                                           \
+                for (int i = 0; i < ROWS; i++) a[i][l] = fma8(x[i], c, a[i][l]);                                \
             }                                                                                                   \
-        else                                                                                                    \
-            for (int64_t t = 0; t < count; t++) {                                                               \
-                v8sf c0 = codes8(codes + t * d, unsigned_codes);                                                \
-                for (int i = 0; i < ROWS; i++) a[i][0] = fma8(splat(weights[i * ld + t]), c0, a[i][0]);         \
-            }                                                                                                   \
-        for (int i = 0; i < ROWS; i++) {                                                                        \
-            store8(acc + i * d, a[i][0]);                                                                       \
-            if (lanes == 2)                                                                                     \
-                store8(acc + i * d + 8, a[i][1]);                                                               \
         }                                                                                                       \
+        for (int i = 0; i < ROWS; i++)                                                                          \
+            for (int l = 0; l < LANES; l++) store8(acc + i * d + 8 * l, a[i][l]);                               \
     }
-MIX_TILE(1)
-MIX_TILE(2)
-MIX_TILE(3)
-MIX_TILE(4)
+#define MIX_TILES(CONV) MIX_TILE(1, 1, CONV) MIX_TILE(2, 1, CONV) MIX_TILE(3, 1, CONV) MIX_TILE(1, 4, CONV) \
+    MIX_TILE(2, 4, CONV) MIX_TILE(3, 4, CONV)
+MIX_TILES(s8)
+MIX_TILES(u8)
+
+typedef void (*mix_fn)(const int8_t *, int64_t, int64_t, const float *, int64_t, float *);
+static const mix_fn mix_tiles[2][2][3] = { /* [unsigned codes][32 channels][rows - 1] */
+    {{mix_1_1_s8, mix_2_1_s8, mix_3_1_s8}, {mix_1_4_s8, mix_2_4_s8, mix_3_4_s8}},
+    {{mix_1_1_u8, mix_2_1_u8, mix_3_1_u8}, {mix_1_4_u8, mix_2_4_u8, mix_3_4_u8}}};
 
 /* The weights p_t s_t of one channel group (scale, zero: [count, groups] from the group's column), and its zero term
  * sum_t p_t z_t added to the group's `cg` accumulators `acc`. */
@@ -595,20 +672,13 @@ static void value_block_mix(const asymkv_attention *p, int64_t b, int64_t h, int
         for (int64_t r = 0; r < rows; r++)
             group_weights(probs + r * ld, w->value_scale + g, v->zero ? w->value_zero + g : 0, groups, count,
                           w->weights + r * count, s->quant + r * d + g * cg, cg);
-        for (int64_t r = 0; r < rows; r += 4) {
-            int64_t n = rows - r < 4 ? rows - r : 4;
-            for (int64_t c = g * cg; c < (g + 1) * cg; c += 16) {
-                int lanes = c + 16 <= (g + 1) * cg ? 2 : 1;
-                const float *weights = w->weights + r * count;
-                float *acc = s->quant + r * d + c;
-                if (n == 4)
-                    mix_tile_4(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
-                else if (n == 3)
-                    mix_tile_3(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
-                else if (n == 2)
-                    mix_tile_2(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
-                else
-                    mix_tile_1(codes + c, unsigned_codes, d, count, weights, count, acc, lanes);
+        for (int64_t r = 0; r < rows; r += 3) {
+            int64_t n = rows - r < 3 ? rows - r : 3;
+            for (int64_t c = g * cg; c < (g + 1) * cg;) { /* tiles of 32 channels, then of 8 */
+                int wide = c + 32 <= (g + 1) * cg;
+                mix_tiles[unsigned_codes][wide][n - 1](codes + c, d, count, w->weights + r * count, count,
+                                                       s->quant + r * d + c);
+                c += wide ? 32 : 8;
             }
         }
     }
@@ -745,33 +815,29 @@ static void query_rows(const asymkv_attention *p, int64_t b, int64_t h, float *r
 
 static int scratch_alloc(const asymkv_attention *p, scratch *w) {
     int64_t d = p->head_dim, bs = p->block_size > 0 ? p->block_size : 1, rows = p->rows;
-    int64_t slots = (p->keys.wide_count + 7) / 8 * 8, ld = bs > EXACT_CHUNK ? bs : EXACT_CHUNK;
+    int64_t ld = bs > EXACT_CHUNK ? bs : EXACT_CHUNK;
     int64_t groups = d / (p->values.channel_group > 0 ? p->values.channel_group : d);
     memset(w, 0, sizeof *w);
     w->key_codes = malloc((size_t)(bs * d));
     w->value_codes = malloc((size_t)(bs * d));
-    w->wide_mask = aligned_alloc(32, (size_t)(bs * (slots / 8) + 1) * sizeof(v8si));
     w->query = malloc((size_t)(rows * d) * sizeof(float));
     w->qs = malloc((size_t)(rows * d) * sizeof(float));
     w->bias = malloc((size_t)rows * sizeof(float));
-    w->wide_q = malloc((size_t)(rows * slots + 8) * sizeof(float));
     w->scores = malloc((size_t)(rows * ld) * sizeof(float));
     w->weights = malloc((size_t)(rows * bs) * sizeof(float));
     w->value_scale = malloc((size_t)(bs * groups) * sizeof(float));
     w->value_zero = malloc((size_t)(bs * groups) * sizeof(float));
     w->row = malloc((size_t)d * sizeof(float));
-    return w->key_codes && w->value_codes && w->wide_mask && w->query && w->qs && w->bias && w->wide_q &&
+    return w->key_codes && w->value_codes && w->query && w->qs && w->bias &&
            w->scores && w->weights && w->value_scale && w->value_zero && w->row;
 }
 
 static void scratch_free(scratch *w) {
     free(w->key_codes);
     free(w->value_codes);
-    free(w->wide_mask);
     free(w->query);
     free(w->qs);
     free(w->bias);
-    free(w->wide_q);
     free(w->scores);
     free(w->weights);
     free(w->value_scale);
