@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_asymkv import cache_kwargs
+
 STUDIES = Path(__file__).resolve().parents[1] / "scripts" / "studies"
 
 
@@ -79,9 +81,9 @@ def test_the_coded_cache_codes_each_key_block_at_its_position(study, llama, prom
 
     cache = study.coded_cache(llama.config, "tight", lambda i: zero if i == 0 else None)
     with torch.no_grad():
-        llama(prompt.repeat(1, 4), past_key_values=cache, use_cache=True)  # 256 tokens
+        llama(prompt.repeat(1, 4), **cache_kwargs(cache), use_cache=True)  # 256 tokens
         for token in prompt[:, :64].T:  # then one at a time: blocks are quantized as the window moves on
-            llama(token[None], past_key_values=cache, use_cache=True)
+            llama(token[None], **cache_kwargs(cache), use_cache=True)
     blocks = cache.layers[0].key_store.blocks
     assert len(calls) == 2 and blocks.length == 256  # the prefill's blocks in one call, then one more block
     assert [start for start, _ in calls] == [4 + sum(m for _, m in calls[:i]) for i in range(len(calls))]  # after

@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from ..bench.memory import cache_nbytes
 from ..core.cache import EXACT_PARTS, AsymKVCache
+from ..core.compat import cache_kwargs
 from ..models import input_device
 from .evaluate import cache_from_prefix, encode_prompt, kl_top1, tail_and_decode
 from .needle import score_task
@@ -113,10 +114,10 @@ def _prefill(model, context: torch.Tensor, cache, press=None):
     """The context through the model without its head (as kvpress's pipeline prefills), under ``press`` if any."""
     with torch.no_grad():
         if press is None:
-            model.model(input_ids=context, past_key_values=cache)
+            model.model(input_ids=context, **cache_kwargs(cache))
         else:
             with press(model):
-                model.model(input_ids=context, past_key_values=cache)
+                model.model(input_ids=context, **cache_kwargs(cache))
     return cache
 
 
