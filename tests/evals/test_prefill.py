@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FIRST_PLAIN_TOKEN, SLIDING_WINDOW, VOCAB
+from helpers import tiered
 from transformers import DynamicCache
 
 from hf_asymkv.evals.prefill import prefill
@@ -21,7 +22,11 @@ def ids() -> torch.Tensor:
     return torch.randint(FIRST_PLAIN_TOKEN, VOCAB, (1, LENGTH), generator=g)
 
 
-@pytest.mark.parametrize("chunk", [5, 64, 199], ids=["inside-window", "across-window", "all-but-one"])
+@pytest.mark.parametrize("chunk", tiered([1, 5, 64, 199], {"inside-window", "across-window", "all-but-one"},
+                                   "one token per forward, 200 forwards (the case the earlier suite ran); fast twin, "
+                                   "chunks of 5, 64 and 199: tests/evals/test_prefill.py::"
+                                   "test_chunked_prefill_equals_one_forward",
+                                   ids=["one-token", "inside-window", "across-window", "all-but-one"]))
 def test_chunked_prefill_equals_one_forward(model, ids, chunk):
     whole, chunked = DynamicCache(config=model.config), DynamicCache(config=model.config)
     expected = prefill(model, ids, whole)
