@@ -27,7 +27,9 @@ run() {  # name, model, tokens, preset, dtype
 
 declare -A RUNS=(
   [smollm2-balanced]="smollm2-135m-instruct 4096 balanced bfloat16"
+  [smollm2-balanced-quiet]="smollm2-135m-instruct 4096 balanced bfloat16"  # the same, nothing else running
   [smollm2-tight]="smollm2-135m-instruct 4096 tight bfloat16"
+  [smollm2-tight-quiet]="smollm2-135m-instruct 4096 tight bfloat16"  # the same, nothing else running
   [smollm2-balanced-fp32]="smollm2-135m-instruct 4096 balanced float32"
   [gemma-balanced]="$GEMMA 16384 balanced bfloat16"
   [gemma-tight]="$GEMMA 16384 tight bfloat16"

@@ -13,7 +13,8 @@ from hf_asymkv.bench.prompt_cache import mlx_bytes_per_element
 from hf_asymkv.core.fileio import atomic_write_text
 
 MIB = 2**20
-ORDER = ["smollm2-balanced", "smollm2-tight", "smollm2-balanced-fp32", "gemma-balanced", "gemma-tight"]
+ORDER = ["smollm2-balanced-quiet", "smollm2-tight-quiet", "smollm2-balanced", "smollm2-tight", "smollm2-balanced-fp32",
+         "gemma-balanced", "gemma-tight"]
 """The runs of scripts/prompt_cache_runs.sh, in the order of the tables (others after them, by name)."""
 
 
@@ -51,8 +52,9 @@ def main(folder: str = "results/prompt_cache") -> int:
     lines = ["Command: `OMP_NUM_THREADS=1 nohup scripts/prompt_cache_runs.sh > prompt_cache_runs.log 2>&1 &`, then "
              "`python scripts/prompt_cache_table.py` (this page); each run's `hf-asymkv prompt-cache` command line is in "
              "its JSON file (`meta.command`).", "",
-             "One thread, on a 2-core machine shared with other work (load average 6-9): times are noisy, the ratio of "
-             "two times in the same run less so. Load and first-token times are the mean over the run's two questions "
+             "One thread. Runs named `-quiet` had the 2-core machine to themselves (2026-12-07 22:04 UTC); the others "
+             "shared it with other work (load average 6-9), which slowed the bf16 prefills 27-40x: times there are "
+             "noisy, the ratio of two times in the same run less so. Load and first-token times are the mean over the run's two questions "
              "(each loads the file afresh, from the page cache: the file was just written). `same tokens`: both answers "
              "from the loaded file equal those from a copy of the cache still in memory. `fresh load`: the file loaded "
              "once more in a new process (`--load-rss`); `peak RSS / file`: that process's peak resident growth during "
