@@ -506,6 +506,24 @@ static void fold_key_block(const asymkv_attention *p, const float *q, int64_t b,
  * (channels: the block's R wide channels, slot j; high: [count, bytes], slot j in bit j % 8 of byte j / 8). With AVX2
  * and up to 8 bytes of bits per token: per 32 channels one byte shuffle picks each channel's byte of the token's
  * bits, a mask its bit (channels that are not wide: none), and the levels are added where it is set. */
+/* A token's `bytes` (1 to 8) bytes of wide bits as one little-endian word: fixed-size copies for the sizes head_dim
+ * 64/128/256 with a quarter of the channels wide give (2, 4, 8 bytes), which compile to one load; a copy of a size
+ * known only at run time is a library call per token, which cost as much as the rest of the block's scoring. */
+static inline uint64_t token_bits(const uint8_t *p, int64_t bytes) {
+    uint64_t word = 0;
+    uint16_t w2;
+    uint32_t w4;
+    switch (bytes) {
+    case 1: return p[0];
+    case 2: memcpy(&w2, p, 2); return w2;
+    case 4: memcpy(&w4, p, 4); return w4;
+    case 8: memcpy(&word, p, 8); return word;
+    default:
+        for (int64_t i = 0; i < bytes; i++) word |= (uint64_t)p[i] << (8 * i);
+        return word;
+    }
+}
+
 static void add_wide_bits(const asymkv_codes *k, const uint8_t *restrict channels, const uint8_t *restrict high,
                           int64_t count, int64_t d, int8_t *restrict codes) {
     int64_t bytes = k->wide_bytes;
@@ -520,9 +538,7 @@ static void add_wide_bits(const asymkv_codes *k, const uint8_t *restrict channel
         }
         __m256i levels = _mm256_set1_epi8((char)(1 << k->bits)), zero = _mm256_setzero_si256();
         for (int64_t t = 0; t < count; t++) {
-            uint64_t word = 0;
-            memcpy(&word, high + t * bytes, (size_t)bytes);
-            __m256i token = _mm256_set1_epi64x((long long)word);
+            __m256i token = _mm256_set1_epi64x((long long)token_bits(high + t * bytes, bytes));
             for (int64_t c = 0; c < d; c += 32) {
                 __m256i picked = _mm256_shuffle_epi8(token, _mm256_loadu_si256((const __m256i *)(index + c)));
                 __m256i set = _mm256_and_si256(picked, _mm256_loadu_si256((const __m256i *)(bit + c)));

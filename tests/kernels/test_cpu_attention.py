@@ -99,6 +99,17 @@ def test_every_preset_matches_twin_and_reference(preset, n_rep, head_dim, dtype)
     check(query, key, value, scaling=head_dim**-0.5)
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 256], ids=["1-byte", "3-bytes", "8-bytes"])
+@pytest.mark.parametrize("preset", ["compact", "max"])
+def test_wide_channel_bits_of_every_width(preset, head_dim):
+    """A quarter of the channels wide: 8, 24 or 64 of them, so each token's wide bits take 1, 3 or 8 bytes (the
+    kernel reads 1, 2, 4 and 8 bytes as one load and other widths byte by byte; d64 and d128 above take 2 and 4)."""
+    key, value = stored(preset, head_dim=head_dim)
+    assert key.wide is not None
+    query = torch.randn(1, 6, 1, head_dim, generator=torch.Generator().manual_seed(1))
+    check(query, key, value, scaling=head_dim**-0.5)
+
+
 @pytest.mark.parametrize("q_len", [2, 5], ids=["q2", "q5"])
 @pytest.mark.parametrize("preset", ["balanced", "compact"], ids=["balanced", "compact"])
 def test_several_query_tokens_are_causal(preset, q_len):
