@@ -134,7 +134,7 @@ def pytest_collection_modifyitems(config, items):
     if bare:
         raise pytest.UsageError("tests marked slow without a reason naming their fast twin "
                                 "(reason='... tests/<path>.py::<test> ...'): " + ", ".join(bare))
-    _check_twins(items)
+    _check_twins(items, narrowed=any("::" in str(arg) for arg in config.args))
     if run_slow(config):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
@@ -143,19 +143,21 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
-def _check_twins(items) -> None:
+def _check_twins(items, narrowed: bool = False) -> None:
     """Each fast twin a slow test names is collected in the fast tier, where its file was collected (a run of some
-    files cannot see the others; tests/test_tiers.py checks every file from the source)."""
+    files cannot see the others; tests/test_tiers.py checks every file from the source). Where the run names tests
+    (``file.py::test``: ``narrowed``), a twin that was not selected is not looked for; one selected must be fast."""
     def base(nodeid: str) -> str:  # tests/x.py::TestClass::test_y[param] -> tests/x.py::test_y
         path, *names = nodeid.split("[")[0].split("::")
         return f"{path}::{names[-1]}"
 
     files = {item.nodeid.split("::")[0] for item in items}
     fast = {base(item.nodeid) for item in items if not item.get_closest_marker("slow")}
+    selected = {base(item.nodeid) for item in items}
     missing = sorted({f"{item.nodeid.split('[')[0]} -> {twin}" for item in items
                       if (mark := item.get_closest_marker("slow"))
                       for twin in SLOW_TWIN.findall(mark.kwargs["reason"])
-                      if twin.split("::")[0] in files and twin not in fast})
+                      if twin.split("::")[0] in files and twin not in fast and (twin in selected or not narrowed)})
     if missing:
         raise pytest.UsageError("slow tests whose fast twin is not a fast test: " + ", ".join(missing))
 

@@ -89,3 +89,27 @@ def test_the_conftest_pattern_reads_a_twin():
     assert SLOW_TWIN.findall("interpreter, 40 s; fast twin: tests/core/test_cache.py::test_generate_matrix") == \
         ["tests/core/test_cache.py::test_generate_matrix"]
     assert not re.search(SLOW_TWIN, "no twin named here")
+
+
+class _Item:
+    """What ``conftest._check_twins`` reads of a collected test: its node id and its ``slow`` mark."""
+
+    def __init__(self, nodeid: str, twin: str | None = None):
+        self.nodeid, self.mark = nodeid, pytest.mark.slow(reason=f"fast twin: {twin}").mark if twin else None
+
+    def get_closest_marker(self, name: str):
+        return self.mark if name == "slow" else None
+
+
+def test_a_slow_test_run_by_its_node_id_needs_no_twin_beside_it():
+    """``pytest --slow tests/x.py::test_slow`` collects the slow test alone: its twin, not selected, is not looked
+    for. Where the whole file is collected, a missing or slow twin is refused."""
+    from conftest import _check_twins
+
+    slow = _Item("tests/x.py::test_slow[a]", twin="tests/x.py::test_fast")
+    _check_twins([slow], narrowed=True)
+    with pytest.raises(pytest.UsageError, match="tests/x.py::test_slow -> tests/x.py::test_fast"):
+        _check_twins([slow])
+    with pytest.raises(pytest.UsageError, match="fast twin is not a fast test"):  # selected, but slow itself
+        _check_twins([slow, _Item("tests/x.py::test_fast", twin="tests/y.py::test_z")], narrowed=True)
+    _check_twins([slow, _Item("tests/x.py::test_fast")])
