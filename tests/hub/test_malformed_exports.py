@@ -109,6 +109,9 @@ def test_mutated_export_sources_are_refused_and_nothing_is_written(checkpoints, 
 @pytest.mark.slow(reason="1000 mutations of each file, printed for the report: ~5 min; fast twins: "
                          "tests/hub/test_malformed_exports.py::test_mutated_exports_are_refused_naming_the_file and "
                          "tests/hub/test_malformed_exports.py::test_mutated_export_sources_are_refused_and_nothing_is_written")
+# a mutated header can declare a tensor of shape [0]: torch warns that initializing it is a no-op, and the reader
+# then refuses or accepts the file on its own checks, which is what this test counts
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
 def test_many_mutations_of_serving_checkpoints(checkpoints, tmp_path, capsys):
     tallies = {**_fuzz_export_reads(checkpoints, tmp_path, SLOW), **_fuzz_export_sources(checkpoints, tmp_path, SLOW)}
     with capsys.disabled():
