@@ -256,3 +256,33 @@ def test_every_format_reads_out_bit_for_bit(case, data):
         patch.setenv(cpu_readout.ENV_VAR, "native")
         got = read()
     assert torch.equal(got, expected), f"{spec}: max difference {(got - expected).abs().max().item()}"
+
+
+@pytest.mark.parametrize("head_dim, group, bits, symmetric, tokens, block", [
+    (256, 128, 4, False, 300, 32),  # Gemma's values: two groups per token, token-packed blocks
+    (256, 64, 3, False, 5, 1),      # four groups, head_dim-packed
+    (128, 32, 2, True, 40, 32),     # symmetric
+    (96, 32, 4, False, 17, 1),      # three Hadamard blocks of 32, one group each
+    (256, 128, 6, True, 1, 1),
+], ids=["d256-g128", "d256-g64", "d128-g32-sym", "d96-g32", "d256-one-token"])
+def test_rotated_values_in_several_groups_per_token(head_dim, group, bits, symmetric, tokens, block):
+    """Rotated per-token codes with a scale per group of channels (head_dim 256 in groups of 128: Gemma-3) read out by
+    exact int8 products per group and butterflies across groups: the float64 read-out (dequantize, then H^T) to
+    float32 rounding, alone and into a slice of a larger buffer."""
+    from hf_asymkv.core import rotation
+
+    spec = QuantSpec(f"int{bits}", "token", group, symmetric=symmetric, rotated=True, block_size=block)
+    y = rotate(torch.randn(2, 3, tokens, head_dim, generator=torch.Generator().manual_seed(head_dim + group)))
+    scale, zero = compute_scale_zero(y, spec)
+    codes = quantize(y, scale, zero, spec)
+    assert rotation._grouped_integer_path(codes, spec, head_dim)
+    expected = dequantize(codes, scale, zero, spec).double() @ rotation.hadamard(head_dim, torch.float64).T
+    got = dequantize_rotated(codes, scale, zero, spec)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+    buffer = torch.full((2, 3, tokens + 4, head_dim), 7.0)
+    dequantize_rotated(codes, scale, zero, spec, out=buffer[:, :, 2:-2])
+    assert torch.equal(buffer[:, :, 2:-2], got)
+    assert (buffer[:, :, :2] == 7).all() and (buffer[:, :, -2:] == 7).all()
+    half = dequantize_rotated(codes, scale, zero, spec, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, got.to(torch.bfloat16))
