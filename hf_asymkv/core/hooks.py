@@ -37,8 +37,8 @@ a model that routes the call through a helper or two is still found."""
 def caller_hooked(skip: int = 2) -> bool:
     """Whether the nearest ``nn.Module`` up the stack (above ``skip`` frames: this function and the cache's
     ``update``) has forward hooks other than transformers' recorders, or any such global forward hook is registered.
-    False when no module is found, and inside
-    a compiled graph (frames are not traced; a compiled layer holds nothing anyway)."""
+    False when no module is found, and inside a compiled graph (frames are not traced; a compiled layer holds nothing
+    anyway)."""
     if torch.compiler.is_compiling():
         return False
     frame = sys._getframe(skip)

@@ -120,18 +120,22 @@ def _(ints: torch.Tensor) -> torch.Tensor:
     return ints.new_empty(ints.shape, dtype=torch.int32)
 
 
+def _int8_token_codes(codes: PackedCodes, spec: QuantSpec) -> bool:
+    """Per-token integer codes that fit int8, on a CPU with int8 matmuls (what both integer read-outs need)."""
+    return (codes.device.type == "cpu" and hasattr(torch, "_int_mm") and not spec.is_float and spec.bits <= 7
+            and spec.granularity == "token")
+
+
 def _integer_path(codes: PackedCodes, spec: QuantSpec, head_dim: int) -> bool:
     """Per-token codes, one group per token, that fit int8, on a CPU with int8 matmuls."""
-    return (codes.device.type == "cpu" and hasattr(torch, "_int_mm") and not spec.is_float and spec.bits <= 7
-            and spec.granularity == "token" and spec.group_size == head_dim)
+    return _int8_token_codes(codes, spec) and spec.group_size == head_dim
 
 
 def _grouped_integer_path(codes: PackedCodes, spec: QuantSpec, head_dim: int) -> bool:
     """Per-token codes in several groups per token (Gemma's head_dim 256 in groups of 128), each group a power of two
     within one Hadamard block, that fit int8, on a CPU with int8 matmuls, outside a compiled graph."""
     group = spec.group_size
-    return (codes.device.type == "cpu" and hasattr(torch, "_int_mm") and not spec.is_float and spec.bits <= 7
-            and spec.granularity == "token" and group < head_dim and group >= 16 and group & (group - 1) == 0
+    return (_int8_token_codes(codes, spec) and 16 <= group < head_dim and group & (group - 1) == 0
             and hadamard_block(head_dim) % group == 0 and not torch.compiler.is_compiling())
 
 
@@ -147,7 +151,7 @@ def _dequantize_rotated_groups(codes: PackedCodes, scale: torch.Tensor, zero: to
     butterflies. The generic path (``dequantize`` then :func:`unrotate`) computes the same numbers with a float
     product, about twice as slowly (Gemma-3's values at 32k tokens). ``out``: a float32 ``[B, H, T, D]`` destination
     (rows contiguous) that the last butterflies write into."""
-    b, h, t, d = codes.data.shape[0], codes.data.shape[1], codes.data.shape[2], codes.head_dim
+    (b, h, t), d = codes.data.shape[:3], codes.head_dim
     group, block = spec.group_size, hadamard_block(d)
     n = block // group
     ints = integer_codes(codes, spec).view(torch.int8).reshape(-1, group)
