@@ -59,6 +59,11 @@ for limit in 3 10 20 30; do
         --limit "$limit" --out "$OUT/gemma3-270m_16k"
 done
 
+# 1b. A first look at 32k (its position limit) before the long runs below: 3 samples of step 4.
+step "Gemma-3-270M RULER 32k niah_single_2, 3 samples, both forms" \
+    "${RULER[@]}" --model "$GEMMA" --schemes "$SCHEMES" --max-length 32768 --tasks niah_single_2 \
+    --limit 3 --out "$OUT/gemma3-270m_32k"
+
 # 2. The same with niah_multikey_1 beside it (niah_single_2's answers reused): 30 samples each.
 for limit in 10 20 30; do
     step "Gemma-3-270M RULER 16k niah_single_2 + niah_multikey_1, $limit samples each, both forms" \
