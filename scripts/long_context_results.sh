@@ -31,7 +31,7 @@ answered() {  # "<folder>: N requests" for every run folder with answers
 commit() {  # commit the result files only (not run.log, nor other agents' work in the tree); retry while git is busy
     [ "$COMMIT" = 1 ] || return 0
     for _ in 1 2 3 4 5 6; do
-        if git add -- "$OUT"/*.json "$OUT"/*/ && { git diff --cached --quiet -- "$OUT" || git commit -q -m "$1" -- "$OUT"; }; then
+        if git add -- "$OUT"/*.json "$OUT"/*.txt "$OUT"/*/ && { git diff --cached --quiet -- "$OUT" || git commit -q -m "$1" -- "$OUT"; }; then
             return 0
         fi
         sleep 20
@@ -45,9 +45,17 @@ if [ "$COMMIT_EVERY" -gt 0 ]; then
     trap 'kill "$COMMITTER" 2>/dev/null || true' EXIT
 fi
 
-step() {  # step "<what>" command...: run it, then commit the results with what is in
+DONE="$OUT/steps_done.txt"  # the steps that finished, one name a line: a rerun skips them (each would cost its
+touch "$DONE"               # model load and RULER's sample generation only to find every answer held)
+
+step() {  # step "<what>" command...: run it unless done, then commit the results with what is in
+    if grep -qxF "$1" "$DONE"; then
+        echo "=== $(date -u +%FT%TZ) done before, skipped: $1" >&2
+        return 0
+    fi
     echo "=== $(date -u +%FT%TZ) $1" >&2
     "${@:2}"
+    echo "$1" >> "$DONE"
     commit "results/long_context: $1 (issue 52); answered so far: $(answered)"
 }
 
@@ -59,29 +67,25 @@ for limit in 3 10 20 30; do
         --limit "$limit" --out "$OUT/gemma3-270m_16k"
 done
 
-# 1b. A first look at 32k (its position limit) before the long runs below: 3 samples of step 4.
-step "Gemma-3-270M RULER 32k niah_single_2, 3 samples, both forms" \
-    "${RULER[@]}" --model "$GEMMA" --schemes "$SCHEMES" --max-length 32768 --tasks niah_single_2 \
-    --limit 3 --out "$OUT/gemma3-270m_32k"
+# 2. Gemma-3-270M, RULER niah_single_2 at 32k tokens (its position limit), both forms: 20 samples (the article's
+#    regime first: about 3.5 minutes a request on one thread, where the 16k ones below take about 2.5).
+for limit in 3 10 20; do
+    step "Gemma-3-270M RULER 32k niah_single_2, $limit samples, both forms" \
+        "${RULER[@]}" --model "$GEMMA" --schemes "$SCHEMES" --max-length 32768 --tasks niah_single_2 \
+        --limit "$limit" --out "$OUT/gemma3-270m_32k"
+done
 
-# 2. The same with niah_multikey_1 beside it (niah_single_2's answers reused): 30 samples each.
+# 3. The same with niah_multikey_1 beside it (niah_single_2's answers reused): 30 samples each.
 for limit in 10 20 30; do
     step "Gemma-3-270M RULER 16k niah_single_2 + niah_multikey_1, $limit samples each, both forms" \
         "${RULER[@]}" --model "$GEMMA" --schemes "$SCHEMES" --max-length 16384 --tasks niah_single_2,niah_multikey_1 \
         --limit "$limit" --out "$OUT/gemma3-270m_16k"
 done
 
-# 3. What the shared prefill costs at 32k: one forward (before chunking) against chunks (fresh process each).
+# 4. What the shared prefill costs at 32k: one forward (before chunking) against chunks (fresh process each).
 [ -f "$OUT/prefill_cost_32k.json" ] && grep -q '"chunk": 0' "$OUT/prefill_cost_32k.json" || step \
     "Gemma-3-270M shared prefill cost at 32k, one forward vs chunks" \
     python scripts/long_prefill_cost.py --model "$GEMMA" --lengths 32768 --chunks 1024,0 --out "$OUT/prefill_cost_32k.json"
-
-# 4. Gemma-3-270M, RULER niah_single_2 at 32k tokens (its position limit), both forms: 20 samples.
-for limit in 3 10 20; do
-    step "Gemma-3-270M RULER 32k niah_single_2, $limit samples, both forms" \
-        "${RULER[@]}" --model "$GEMMA" --schemes "$SCHEMES" --max-length 32768 --tasks niah_single_2 \
-        --limit "$limit" --out "$OUT/gemma3-270m_32k"
-done
 
 # 5. Per-layer attention KL and top-k overlap at 32k for every scheme (the last 32 prompt tokens read each cache).
 [ -f "$OUT/gemma3-270m_attention_32k/attention.json" ] || step "Gemma-3-270M attention damage at 32k, every scheme" \
