@@ -48,7 +48,13 @@ fi
 DONE="$OUT/steps_done.txt"  # the steps that finished, one name a line: a rerun skips them (each would cost its
 touch "$DONE"               # model load and RULER's sample generation only to find every answer held)
 
-step() {  # step "<what>" command...: run it unless done, then commit the results with what is in
+# Two runs side by side (one per core), on steps apart: ONLY=<regex> runs only the steps whose name matches it,
+# SKIP=<regex> skips those; e.g. `SKIP=SmolLM2 nohup scripts/long_context_results.sh` beside `ONLY=SmolLM2 nohup ...`
+# (never two runs on one step: both would append to its responses.jsonl).
+step() {  # step "<what>" command...: run it unless done or not selected, then commit the results with what is in
+    if { [ -n "${ONLY:-}" ] && ! [[ "$1" =~ $ONLY ]]; } || { [ -n "${SKIP:-}" ] && [[ "$1" =~ $SKIP ]]; }; then
+        return 0
+    fi
     if grep -qxF "$1" "$DONE"; then
         echo "=== $(date -u +%FT%TZ) done before, skipped: $1" >&2
         return 0
