@@ -1,6 +1,7 @@
 """Every causal-LM architecture of the installed transformers, built tiny and random from its default config: where
 transformers' own ``DynamicCache`` generates, ``AsymKVCache`` generates the same tokens with a window wider than the
-run, and runs (quantizing what it can) with a small one.
+run, and runs (quantizing what it can) with a small one; where it has sliding-window layers, the same again with
+those quantized too (``quantize_sliding=True``).
 
 A model without any attention layer (Mamba and other recurrent-only models) is refused with a ``ValueError``: a KV
 cache has nothing to hold there. Layer types the cache does not know (transformers adds some every release: ``hybrid``, ``hybrid_sliding``,
@@ -94,3 +95,11 @@ def test_asymkv_generates_what_dynamic_cache_does(name):
     assert torch.equal(_generate(model, ids, wide), reference)
     assert _generate(model, ids, small).shape == reference.shape
     assert small.memory_footprint()["total"] == cache_nbytes(small)
+    if any(s.layer_type == "sliding_attention" for s in shapes):  # quantize_sliding: our layer in their place
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnquantizedLayersWarning)
+            wide = AsymKVCache(model.config, residual_length=4096, quantize_sliding=True)
+            small = AsymKVCache(model.config, **SMALL, quantize_sliding=True)
+        assert torch.equal(_generate(model, ids, wide), reference)
+        assert _generate(model, ids, small).shape == reference.shape
+        assert small.memory_footprint()["total"] == cache_nbytes(small)

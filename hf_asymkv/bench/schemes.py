@@ -112,15 +112,20 @@ SCHEMES: dict[str, tuple[str, Factory]] = {
 }
 
 
-def _preset(name: str) -> Factory:
+def _preset(name: str, **overrides) -> Factory:
     def build(config: PreTrainedConfig) -> AsymKVCache:
         from ..core.cache import AsymKVCache
 
-        return AsymKVCache.from_preset(name, config)
+        return AsymKVCache.from_preset(name, config, **overrides)
     return build
 
 
 SCHEMES.update({f"asymkv-{name}": (f"ours, preset {name!r} (hf_asymkv.PRESETS)", _preset(name))
+                for name in PRESET_NAMES})
+# The presets with the sliding-window layers quantized too (AsymKVConfig(quantize_sliding=True); the same as the
+# plain preset on a model without sliding layers).
+SCHEMES.update({f"asymkv-{name}-sliding": (f"ours, preset {name!r} with the sliding-window layers quantized too "
+                                           "(quantize_sliding=True)", _preset(name, quantize_sliding=True))
                 for name in PRESET_NAMES})
 # The presets through the fused attention (same storage, another read-out): for decode speed.
 SCHEMES.update({f"asymkv-{name}-fused": (f"ours, preset {name!r} with the fused attention "

@@ -9,6 +9,7 @@ decision lives in the layer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections import Counter
@@ -19,7 +20,7 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 
 from .attention import ATTN_IMPLEMENTATION
 from .compat import reset_layer
-from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig
+from .config import KEY_FORMATS, VALUE_BITS, AsymKVConfig, Growth
 from .hooks import caller_hooked
 from .layer import AsymKVLayer
 from .nbytes import reachable_tensors, tensor_nbytes
@@ -27,6 +28,7 @@ from .reuse import ReuseWatch
 from .rollback import Snapshot, restores_layers_on_error
 from .scales import KVScales
 from .shapes import SLIDING_LAYER_TYPES, LayerShape, kv_layer_indices, layer_shapes, layer_types
+from .sliding_layer import SlidingAsymKVLayer
 from .static import StaticAsymKVLayer
 
 __all__ = ["EXACT_PARTS", "QUANTIZED_LAYERS", "AsymKVCache", "UnquantizedLayersWarning", "KEY_FORMATS", "SLIDING_LAYER_TYPES", "VALUE_BITS", "kv_layer_indices", "layer_types"]
@@ -121,6 +123,9 @@ class AsymKVCache(Cache):
             raise ValueError(f"cache_config must be an AsymKVConfig, got {type(cache_config).__name__}.")
         cache_config = (cache_config or AsymKVConfig()).replace(**settings) if settings else cache_config or AsymKVConfig()
         text_config = config.get_text_config(decoder=True)
+        if max_cache_len is not None and cache_config.quantize_sliding:
+            raise ValueError("quantize_sliding=True needs a dynamic cache: a static cache (max_cache_len) keeps "
+                             "transformers' static sliding-window layers.")
         self.scales = None
         if scales is not None:
             if key_absmax is not None:
@@ -150,14 +155,24 @@ class AsymKVCache(Cache):
         self.held_layer: int | None = None  # the layer whose latest update waits for settle() (class docstring)
         super().__init__(layers=self._build_layers(text_config, key_absmax, max_cache_len))
 
+    def _quantizes(self, shape: LayerShape, cache_config: AsymKVConfig) -> bool:
+        """Whether the layer of ``shape`` is stored quantized: full attention, and sliding windows with
+        ``quantize_sliding``."""
+        return shape.quantized or (cache_config.quantize_sliding and shape.layer_type == "sliding_attention"
+                                   and shape.head_dim > 0)
+
     def _resolved(self, cache_config: AsymKVConfig) -> AsymKVConfig:
-        widths = {w for shape in self.shapes if shape.quantized for w in shape.widths}
+        widths = {w for shape in self.shapes if self._quantizes(shape, cache_config) for w in shape.widths}
         return cache_config.resolved(sorted(widths or {shape.head_dim for shape in self.shapes if shape.head_dim}
                                             or {1}))
 
     def _layer_configs(self, cache_config: AsymKVConfig) -> dict:
-        quantized = {i: shape.widths for i, shape in enumerate(self.shapes) if shape.quantized}
-        return cache_config.layer_configs(quantized, [shape.layer_type for shape in self.shapes])
+        quantized = {i: shape.widths for i, shape in enumerate(self.shapes) if self._quantizes(shape, cache_config)}
+        configs = cache_config.layer_configs(quantized, [shape.layer_type for shape in self.shapes])
+        # A sliding window leaves the first tokens behind: no sinks there. Its layer holds a bounded number of tokens,
+        # dropping a block for each it adds: its buffers grow by exactly what is needed (no unused capacity).
+        return {i: dataclasses.replace(c, sink_tokens=0, growth=Growth(1.0, c.growth.max_tokens))
+                if self.shapes[i].layer_type == "sliding_attention" else c for i, c in configs.items()}
 
     def apply_layer_overrides(self, layer_overrides) -> None:
         """Replace the per-layer overrides (``AsymKVConfig.layer_overrides``) of a cache none of whose layers holds a
@@ -434,7 +449,11 @@ class AsymKVCache(Cache):
         if max_cache_len is None:
             layers = DynamicCache(config=text_config).layers
             for i, layer_config in self.layer_configs.items():
-                layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
+                if getattr(layers[i], "is_sliding", False):  # quantize_sliding: the window transformers gave it
+                    layers[i] = SlidingAsymKVLayer(layer_config, int(layers[i].sliding_window),
+                                                   key_absmax=key_absmax.get(i))
+                else:
+                    layers[i] = AsymKVLayer(layer_config, key_absmax=key_absmax.get(i))
             return layers
         layers = [StaticAsymKVLayer(c, max_cache_len, key_absmax=key_absmax.get(i))  # checks max_cache_len first
                   for i, c in self.layer_configs.items()]

@@ -145,6 +145,12 @@ class AsymKVConfig:
         overflow_policy: one of :data:`OVERFLOW_POLICIES`.
         growth_factor: capacity multiplier of the buffers (> 1; amortized O(1) appends).
         max_growth_tokens: the most capacity (tokens) one growth adds, bounding unused memory.
+        quantize_sliding: also quantize the sliding-window layers (``layer_type="sliding_attention"``: Gemma-3's
+            5 of 6, Mistral's, gpt-oss's half), as the full-attention ones, dropping each whole block once it has left
+            the window (:class:`~hf_asymkv.core.sliding_layer.SlidingAsymKVLayer`); off by default: they stay transformers'
+            own exact layers, which hold at most ``sliding_window - 1`` tokens whatever the context. Worth it where
+            the windows are a large share of the cache (Gemma-3-270M at 16k: 1/7 of a bf16 cache, see
+            docs/prompt_cache.md). Dynamic caches only; no sinks in those layers (the window leaves them behind).
         layer_overrides: ``{layer index: {setting: value}}`` for settings of :data:`~hf_asymkv.core.registry.LAYER_SETTINGS` that differ
             in given layers (e.g. ``{0: {"key_format": "int8", "key_symmetric": True}}`` to protect layer 0);
             negative indices count from the last layer. An override that gives a layer keys without wide channels
@@ -174,6 +180,7 @@ class AsymKVConfig:
     overflow_policy: str = "widen"
     growth_factor: float = 1.25
     max_growth_tokens: int = 256
+    quantize_sliding: bool = False
     layer_overrides: Mapping[int, Mapping[str, Any]] | tuple = ()
 
     def __post_init__(self) -> None:
@@ -182,7 +189,7 @@ class AsymKVConfig:
         _check_choice("key_granularity", self.key_granularity, GRANULARITIES)
         _check_choice("value_granularity", self.value_granularity, GRANULARITIES)
         _check_choice("overflow_policy", self.overflow_policy, OVERFLOW_POLICIES)
-        for name in ("value_symmetric", "key_symmetric", "value_rotation", "key_rotation"):
+        for name in ("value_symmetric", "key_symmetric", "value_rotation", "key_rotation", "quantize_sliding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if not self.key_symmetric and self.key_format.startswith("fp8"):
@@ -368,7 +375,8 @@ class AsymKVConfig:
         overridden = [index for index, _ in self.layer_overrides]
         return (f"{key}, {value}, block={self.key_block_size}, window={self.residual_length}, "
                 f"sinks={self.sink_tokens}" + (f", rotated={'+'.join(rotated)}" if rotated else "")
-                + (f", overrides for layers {overridden}" if overridden else ""))
+                + (f", overrides for layers {overridden}" if overridden else "")
+                + (", sliding layers quantized" if self.quantize_sliding else ""))
 
 
 _WIDE_KEYS = ("key_format", "key_granularity", "key_rotation")

@@ -218,8 +218,11 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
                     self._stats[name] += n
         return self._stats
 
+    first_held = 0
+    """Position of the oldest token held (a sliding-window layer drops what its window has left behind)."""
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + mask_query_length(query_length), 0
+        return self.cumulative_length - self.first_held + mask_query_length(query_length), self.first_held
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -276,7 +279,7 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
         if not self.is_initialized:
             return
         keep = max(0, self.cumulative_length + tokens_to_remove)
-        moved = [store.crop(keep, self.dtype) for store in self.stores]
+        moved = [store.crop(keep - self.first_held, self.dtype) for store in self.stores]
         self._stats["requantized_tokens"] += moved[0]
         self.rollbacks += keep < self.cumulative_length
         self.cumulative_length = keep

@@ -147,6 +147,8 @@ def _dynamic_state(layer: AsymKVLayer, prefix: str) -> tuple[dict, dict]:
     record.update(dtype=dtype_name(layer.dtype), cumulative_length=layer.cumulative_length,
                   pending_tokens=layer.pending_tokens, record_past=layer.record_past,
                   keep_latest_exact=layer.keep_latest_exact, rollbacks=layer.rollbacks, stats=stats, stores={})
+    if layer.first_held:  # a quantized sliding-window layer that has dropped blocks its window left behind
+        record["dropped"] = layer.first_held
     for kind, store in zip(KINDS, layer.stores):
         buffers = {}
         for name, buf in _buffers(store).items():
@@ -187,12 +189,19 @@ def _restore_dynamic(layer: AsymKVLayer, record: dict, prefix: str, source: Tens
     _require(lengths[0] == lengths[1], f"key and value stores hold different lengths (sinks, blocks, window): "
                                        f"{lengths[0]} and {lengths[1]}")
     sinks, codes, window = lengths[0]
-    _require(sinks + codes + window == total, f"sinks {sinks} + quantized {codes} + window {window} tokens do not "
-                                              f"add up to the layer's length {total}")
+    dropped = _int(record, "dropped") if "dropped" in record else 0
+    _require(not dropped or hasattr(layer, "dropped"), f"{dropped} dropped tokens recorded for a layer that keeps "
+                                                       "every token (not a sliding-window layer)")
+    _require(dropped % layer.block_size == 0, f"{dropped} dropped tokens, not whole blocks of {layer.block_size}")
+    _require(dropped + sinks + codes + window == total, f"dropped {dropped} + sinks {sinks} + quantized {codes} + "
+                                                        f"window {window} tokens do not add up to the layer's length "
+                                                        f"{total}")
     _require(sinks <= layer.sink_tokens and (sinks == layer.sink_tokens or codes + window == 0),
              f"{sinks} sink tokens stored with sink_tokens={layer.sink_tokens} and {codes + window} tokens after them")
     _require(pending <= window, f"{pending} pending tokens, more than the {window} in the window")
     layer.cumulative_length, layer.pending_tokens, layer.rollbacks = total, pending, _int(record, "rollbacks")
+    if dropped:
+        layer.dropped = dropped
     layer.record_past, layer.keep_latest_exact = _flag(record, "record_past"), _flag(record, "keep_latest_exact")
     stats = record.get("stats")
     _require(isinstance(stats, dict), "record field 'stats' must be an object")

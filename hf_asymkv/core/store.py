@@ -129,14 +129,14 @@ class GrowableBuffer:
     def truncate(self, length: int) -> None:
         self.length = length
 
-    def drop_front(self, n: int) -> None:
+    def drop_front(self, n: int, release: bool = False) -> None:
         """Remove the first ``n`` live rows (the rest moves to the front, in a new tensor: see :meth:`replace_rows`);
         capacity far beyond the live rows is released, so a long-lived buffer does not keep the size of one long
-        burst."""
+        burst; ``release``: all of it (the new tensor holds the rest exactly)."""
         if n == 0:
             return
         rest = self.data[:, :, n : self.length]
-        self.replace_rows(rest, keep_capacity=self.data.shape[2] <= 2 * rest.shape[2] + 64)
+        self.replace_rows(rest, keep_capacity=not release and self.data.shape[2] <= 2 * rest.shape[2] + 64)
 
     def replace_rows(self, x: torch.Tensor, growth: Growth | None = None, keep_capacity: bool = True) -> None:
         """Hold exactly the rows ``x`` ``[B, H, n, ...]`` instead of the live ones, in a new tensor of this buffer's
@@ -262,6 +262,17 @@ class QuantizedBlocks:
         self.zeros.truncate(rows if self.zeros.length else 0)
         self.wide_bits.truncate(n if self.wide_bits.length else 0)
         self.wide_channels.truncate(n // self.block_size if self.wide_channels.length else 0)
+
+    def drop_front(self, n: int) -> None:
+        """Remove the first ``n`` (block-aligned) tokens: what a sliding-window layer's window has left behind. The
+        rest moves to new tensors of exactly its size (:meth:`GrowableBuffer.drop_front`): nothing held before is
+        written over, and a layer that drops a block for each it adds holds no unused capacity."""
+        rows = n // self.spec.token_group
+        self.codes.drop_front(n, release=True)
+        self.scales.drop_front(rows, release=True)
+        self.zeros.drop_front(rows if self.zeros.length else 0, release=True)
+        self.wide_bits.drop_front(n if self.wide_bits.length else 0, release=True)
+        self.wide_channels.drop_front(n // self.block_size if self.wide_channels.length else 0, release=True)
 
     def buffers(self) -> dict[str, GrowableBuffer]:
         """The parts by footprint name (``wide_bits`` and ``wide_channels`` only for a spec with wide channels)."""

@@ -24,6 +24,7 @@ import torch
 
 from ..bench.schemes import ATTENTION, make_cache
 from ..core.compat import cache_kwargs
+from ..core.sliding_layer import SlidingAsymKVLayer
 from ..models import input_device
 from .common import check_length, progress
 from .evaluate import cache_from_prefix, encode_prompt
@@ -107,6 +108,17 @@ def induction_scores(model, n: int = 128, seed: int = 0, prefix_ids: list[int] |
     return scores
 
 
+def _aligned(p: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``p`` ``[..., keys]`` over the keys of ``ref`` ``[..., keys_ref]``: a quantized sliding-window layer holds
+    older keys than transformers' (whole blocks), first in its key order and masked out (weight 0): they are cut."""
+    extra = p.shape[-1] - ref.shape[-1]
+    if extra <= 0:
+        return p
+    if float(p[..., :extra].abs().max()) != 0.0:
+        raise RuntimeError(f"{extra} keys beyond the reference's window got attention weight: the layer's mask is wrong")
+    return p[..., extra:]
+
+
 def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int,
                 tick: Callable[[str], None] | None = None, shared_chunk: int | None = None) -> dict[str, list[dict]]:
     """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference); ``tick`` after each scheme; the
@@ -115,9 +127,14 @@ def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int,
     prefill(model, ids[:, :-queries], prefilled, shared_chunk)
     ref, out = None, {}
     for name in schemes:
-        probs = _attentions(model, cache_from_prefix(make_cache(name, model.config), prefilled), ids[:, -queries:])
+        cache = make_cache(name, model.config)
+        if any(isinstance(layer, SlidingAsymKVLayer) for layer in cache.layers):
+            prefill(model, ids[:, :-queries], cache)  # its own, one forward (cache_from_prefix refuses it)
+        else:
+            cache_from_prefix(cache, prefilled)
+        probs = _attentions(model, cache, ids[:, -queries:])
         ref = probs if ref is None else ref
-        out[name] = [attention_stats(r, p) for r, p in zip(ref, probs)]
+        out[name] = [attention_stats(r, _aligned(p, r)) for r, p in zip(ref, probs)]
         if tick:
             tick(f"{name} ({len(out)}/{len(schemes)})")
     return out

@@ -30,6 +30,7 @@ from ..bench.peers import PeerLayer
 from ..bench.schemes import ATTENTION, make_cache, scheme_attention
 from ..core.compat import DUMMY_LAYER_CLASSES, cache_kwargs
 from ..core.layer import AsymKVLayer
+from ..core.sliding_layer import SlidingAsymKVLayer
 from ..models import input_device
 from .evaluate import cache_from_prefix, eos_ids
 from .forms import ONE_PASS, QUESTION, TAIL_FORM, form_chunk, parse_variant
@@ -47,14 +48,15 @@ def shares_prefill(name: str, cache) -> bool:
 
     True when every layer returns the prefill's K/V exact from the update that stores them: transformers' plain
     and quantized layers (all ``DynamicLayer`` subclasses), KIVI's and ours; False for the per-token peer layers
-    (they quantize the prefill inside its own update), for any other layer kind, and for schemes that run another
-    attention implementation (its prefill may round differently).
+    (they quantize the prefill inside its own update), for our quantized sliding-window layers (the prefill's
+    sliding layer keeps only its window, not the whole blocks that straddle its start), for any other layer kind,
+    and for schemes that run another attention implementation (its prefill may round differently).
     """
     if name in ATTENTION:
         return False
     for layer in cache.layers:
-        if isinstance(layer, PeerLayer):
-            return False
+        if isinstance(layer, (PeerLayer, SlidingAsymKVLayer)):  # (a sliding layer's prefix state holds only its
+            return False                                         # window: not the blocks the window cuts into)
         if not isinstance(layer, (DynamicLayer, AsymKVLayer, *DUMMY_LAYER_CLASSES)):
             return False
     return True
