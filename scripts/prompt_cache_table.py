@@ -14,7 +14,7 @@ from hf_asymkv.core.fileio import atomic_write_text
 
 MIB = 2**20
 ORDER = ["smollm2-balanced-quiet", "smollm2-tight-quiet", "smollm2-balanced", "smollm2-tight", "smollm2-balanced-fp32",
-         "gemma-balanced", "gemma-tight"]
+         "gemma-balanced", "gemma-tight", "gemma-balanced-sliding", "gemma-tight-sliding"]
 """The runs of scripts/prompt_cache_runs.sh, in the order of the tables (others after them, by name)."""
 
 
@@ -52,7 +52,9 @@ def main(folder: str = "results/prompt_cache") -> int:
     lines = ["Command: `OMP_NUM_THREADS=1 nohup scripts/prompt_cache_runs.sh > prompt_cache_runs.log 2>&1 &`, then "
              "`python scripts/prompt_cache_table.py` (this page); each run's `hf-asymkv prompt-cache` command line is in "
              "its JSON file (`meta.command`).", "",
-             "One thread. Runs named `-quiet` had the 2-core machine to themselves (2026-12-07 22:04 UTC); the others "
+             "One thread. Runs named `-quiet` had the 2-core machine to themselves (2026-12-07 22:04 UTC), as did the "
+             "`-sliding` runs (`--quantize-sliding`: the sliding-window layers quantized too; 2 threads, `THREADS=2`, "
+             "2026-12-08 00:10 UTC); the others "
              "shared it with other work (load average 6-9), which slowed the bf16 prefills 27-40x: times there are "
              "noisy, the ratio of two times in the same run less so. Load and first-token times are the mean over the run's two questions "
              "(each loads the file afresh, from the page cache: the file was just written). `same tokens`: both answers "
@@ -62,7 +64,8 @@ def main(folder: str = "results/prompt_cache") -> int:
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_row(name, r)) + " |" for name, r in reports.items()]
     lines += ["", "Full-attention layers of the bf16 runs, bytes per token (all layers summed; sliding-window layers "
-              "are kept exact by both us and mlx-lm, whose `RotatingKVCache` has no quantized form): ours measured; "
+              "are kept exact by mlx-lm, whose `RotatingKVCache` has no quantized form, and by us unless "
+              "`--quantize-sliding`; these columns count the full-attention layers alone): ours measured; "
               "bf16 and mlx-lm's `QuantizedKVCache` (group 64, a bf16 scale and bias per group) computed, with how "
               "many times ours they are.", "",
               "| run | elements / token | ours B | bf16 B | mlx-lm 8-bit B | mlx-lm 4-bit B |", "|---|---:|---:|---:|---:|---:|"]

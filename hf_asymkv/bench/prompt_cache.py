@@ -136,7 +136,9 @@ def _kv_shapes(cache) -> list[tuple[torch.Size, torch.Size]]:
     shapes = []
     for layer, shape in zip(cache.layers, cache.shapes):
         if isinstance(layer, QUANTIZED_LAYERS) and layer.is_initialized:
-            rows = (_batch(layer), shape.kv_heads, int(layer.get_seq_length()))
+            held = int(layer.get_seq_length())  # a sliding layer's DynamicCache twin keeps its last window - 1
+            held = min(held, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else held
+            rows = (_batch(layer), shape.kv_heads, held)
             shapes.append((torch.Size([*rows, shape.head_dim]), torch.Size([*rows, shape.value_head_dim or
                                                                             shape.head_dim])))
         elif isinstance(getattr(layer, "keys", None), torch.Tensor):
@@ -169,10 +171,10 @@ def mlx_bytes_per_element(bits: int, group_size: int = MLX_GROUP_SIZE, scale_byt
 
 
 def _full_attention_bytes(cache) -> tuple[int, int]:
-    """``(bytes, dense elements per token)`` of the quantized (full-attention) layers."""
+    """``(bytes, dense elements per token)`` of the quantized full-attention layers (not quantized sliding ones)."""
     total = elements = 0
     for layer in cache.layers:
-        if isinstance(layer, QUANTIZED_LAYERS) and layer.is_initialized:
+        if isinstance(layer, QUANTIZED_LAYERS) and layer.is_initialized and not getattr(layer, "is_sliding", False):
             parts = layer.memory_footprint()
             total += sum(v for k, v in parts.items() if k != "unused_capacity")
             elements += layer.dense_elements() // max(1, int(layer.get_seq_length()))
@@ -183,12 +185,13 @@ def run_prompt_cache(model, tokenizer, out: str | Path, *, text: str | None = No
                      preset: str = "balanced", chunk: int = DEFAULT_CHUNK, max_tokens: int = 0,
                      questions: tuple[str, ...] = (), max_new_tokens: int = 32, verify: bool = False,
                      load_rss: bool = False, metadata: dict[str, str] | None = None,
-                     tick: Callable[[str], None] | None = None) -> dict:
-    """Prefill the document into a ``preset`` cache, save it to ``out``, answer each question from a fresh load of the
-    file (see the module docstring); the figures as a dict (:func:`format_report` prints it)."""
+                     tick: Callable[[str], None] | None = None, quantize_sliding: bool = False) -> dict:
+    """Prefill the document into a ``preset`` cache (its sliding-window layers quantized too with
+    ``quantize_sliding``), save it to ``out``, answer each question from a fresh load of the file (see the module
+    docstring); the figures as a dict (:func:`format_report` prints it)."""
     ids = document_ids(tokenizer, text, messages, max_tokens).to(model.device)
     asked = [(q, question_ids(tokenizer, q, ids, messages).to(model.device)) for q in questions]  # before the prefill
-    cache = AsymKVCache.from_preset(preset, model.config)
+    cache = AsymKVCache.from_preset(preset, model.config, quantize_sliding=quantize_sliding)
     prefill_s = prefill(model, ids, cache, chunk, tick)
     start = time.perf_counter()
     path = cache.save(out, input_ids=ids, metadata=metadata)
@@ -196,7 +199,7 @@ def run_prompt_cache(model, tokenizer, out: str | Path, *, text: str | None = No
     footprint = cache.memory_footprint()
     full_bytes, elements = _full_attention_bytes(cache)
     tokens = int(ids.shape[1])
-    report = {"preset": preset, "tokens": tokens, "chunk": chunk, "dtype": str(model.dtype).removeprefix("torch."),
+    report = {"preset": preset + ("+sliding" if quantize_sliding else ""), "tokens": tokens, "chunk": chunk, "dtype": str(model.dtype).removeprefix("torch."),
               "file": str(path), "file_bytes": path.stat().st_size, "footprint_total": footprint["total"],
               "footprint_unused_capacity": footprint.get("unused_capacity", 0),
               "bf16_dynamic_cache_file_bytes": bf16_dynamic_cache_bytes(cache, Path(path).parent),

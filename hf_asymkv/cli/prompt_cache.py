@@ -62,6 +62,7 @@ def _cmd_prompt_cache(args) -> int:
         model, tokenizer, args.out, text=text, messages=messages, preset=args.preset, chunk=args.chunk,
         max_tokens=args.max_tokens, questions=tuple(args.question or ()), max_new_tokens=args.max_new_tokens,
         verify=args.verify, load_rss=args.load_rss, tick=None if args.quiet else Heartbeat("prompt-cache", every=0),
+        quantize_sliding=args.quantize_sliding,
         metadata={"model": args.model, "source": Path(source).name, "preset": args.preset,
                   "command": command})
     print(format_report(report))
@@ -90,6 +91,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=output_file, required=True, help="the prompt-cache file to write (.safetensors)")
     p.add_argument("--preset", choices=PRESET_NAMES, default="balanced",
                    help=f"cache preset, one of {', '.join(PRESET_NAMES)} (default balanced)")
+    p.add_argument("--quantize-sliding", action="store_true",
+                   help="quantize the sliding-window layers too (AsymKVConfig(quantize_sliding=True); Gemma-3, Mistral, "
+                        "gpt-oss): by default they stay exact, as transformers keeps them")
     p.add_argument("--chunk", type=at_least(1, zero_ok=True), default=2048,
                    help="prefill in forwards of this many tokens, to bound the attention's memory (0: one forward; "
                         "default 2048)")
