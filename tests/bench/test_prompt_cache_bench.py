@@ -17,12 +17,15 @@ from hf_asymkv.bench.prompt_cache import (
 )
 
 
-@pytest.mark.parametrize("arch", ["llama", "hybrid"])
-def test_bf16_dynamic_cache_bytes_are_a_real_dynamic_caches_file(request, arch, prompt, tmp_path, single_thread):
+@pytest.mark.parametrize("arch, settings", [("llama", {}), ("hybrid", {}), ("hybrid", {"quantize_sliding": True})],
+                         ids=["llama", "hybrid", "hybrid-quantized-sliding"])
+def test_bf16_dynamic_cache_bytes_are_a_real_dynamic_caches_file(request, arch, settings, prompt, tmp_path,
+                                                                 single_thread):
     """The same prompt in transformers' DynamicCache, its K/V cast to bf16 and written with save_file: the same size
-    as the baseline computed from an AsymKVCache holding those tokens (sliding windows included)."""
+    as the baseline computed from an AsymKVCache holding those tokens (sliding windows included, exact or quantized:
+    the baseline holds their last window - 1 tokens either way)."""
     model = request.getfixturevalue(arch)
-    dynamic, ours = DynamicCache(config=model.config), AsymKVCache(model.config)
+    dynamic, ours = DynamicCache(config=model.config), AsymKVCache(model.config, **settings)
     with torch.no_grad():
         for cache in (dynamic, ours):
             model(prompt, **cache_kwargs(cache))
