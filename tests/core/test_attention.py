@@ -156,12 +156,15 @@ def _fused_copy(model):
     return fused
 
 
-@pytest.mark.parametrize("name", ["llama", "hybrid", "shared_kv"])
-def test_generate_matches_reference_path(request, name, prompt, single_thread):
-    """Greedy generation with a small window: same tokens, logits within fp32 rounding, with either path."""
+@pytest.mark.parametrize("name, sliding", [("llama", False), ("hybrid", False), ("shared_kv", False), ("hybrid", True),
+                                           ("shared_kv", True)],
+                         ids=["llama", "hybrid", "shared_kv", "hybrid-quantized-sliding", "shared_kv-quantized-sliding"])
+def test_generate_matches_reference_path(request, name, sliding, prompt, single_thread):
+    """Greedy generation with a small window: same tokens, logits within fp32 rounding, with either path (quantized
+    sliding layers hand the fused attention dense K/V, a window's worth)."""
     model = request.getfixturevalue(name)
     fused = _fused_copy(model)
-    kwargs = {"residual_length": 8, "key_block_size": 8}
+    kwargs = {"residual_length": 8, "key_block_size": 8, "quantize_sliding": sliding}
     out = {}
     for tag, m in (("ref", model), ("fused", fused)):
         cache = AsymKVCache(m.config, **kwargs)
