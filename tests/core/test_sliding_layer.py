@@ -18,7 +18,7 @@ from hf_asymkv.core.store import QuantizedBlocks
 
 # One thread: with more, SDPA splits the two caches' different key lengths differently, and a last-bit difference
 # in a prefill chunk's output can flip a later token's 2-bit value code (a real but irrelevant divergence).
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.releases]  # transformers builds the sliding mask
 
 SETTINGS = dict(key_block_size=4, residual_length=4, sink_tokens=2, quantize_sliding=True)
 
