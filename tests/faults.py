@@ -92,7 +92,7 @@ def layer_state(layer) -> dict:
     if isinstance(layer, AsymKVLayer):
         state = {"initialized": layer.is_initialized, "length": layer.cumulative_length,
                  "pending": layer.pending_tokens, "rollbacks": layer.rollbacks, "stats": dict(layer.stats),
-                 "footprint": layer.memory_footprint()}
+                 "footprint": layer.memory_footprint(), "first_held": layer.first_held}
         for name, buf in layer.buffers().items():
             state[name] = None if buf.data is None else (buf.length, tuple(buf.data.shape), _clone(buf.live))
         for store in layer.stores:

@@ -14,6 +14,7 @@ interrupts between their other operations.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import hf_asymkv.core.store as store_module
 import hf_asymkv.kernels.append as kernel_append
 from hf_asymkv import AsymKVCache, AsymKVConfig, AsymKVLayer, cache_kwargs
 from hf_asymkv.core.rollback import InterruptedUpdateError, Snapshot, snapshot
+from hf_asymkv.core.sliding_layer import SlidingAsymKVLayer
 from hf_asymkv.core.static import StaticAsymKVLayer
 from hf_asymkv.core.static_store import StaticTensorStore
 from hf_asymkv.core.store import GrowableBuffer, QuantizedBlocks, TensorStore
@@ -233,12 +235,21 @@ SWEEPS = {  # what is prepared (update sizes), then the call swept
     "settle-held": ([9, "hold", 9], "settle", 0),
     "reorder": ([9, 8], "reorder", 0),
     "replace": (["record", 5], "replace", 4),
+    # a quantized sliding-window layer (window 10): the update that drops a block, a crop after drops
+    "sliding-update-drop": (["sliding", 16], "update", 4),
+    "sliding-crop": (["sliding", 16, 4], "crop", 2),
 }
+SWEEP_WINDOW = 10
 
 
 def _sweep_layer(steps: list, calibrated: bool) -> AsymKVLayer:
     config = SWEEP_CONFIG.resolved([8]).layer_config()
-    layer = AsymKVLayer(config, key_absmax=torch.full((2, 8), 0.5) if calibrated else None)
+    key_absmax = torch.full((2, 8), 0.5) if calibrated else None
+    if steps[:1] == ["sliding"]:
+        layer = SlidingAsymKVLayer(dataclasses.replace(config, sink_tokens=0), SWEEP_WINDOW, key_absmax=key_absmax)
+        steps = steps[1:]
+    else:
+        layer = AsymKVLayer(config, key_absmax=key_absmax)
     for seed, step in enumerate(steps):
         if step == "record":
             layer.activate_past_recording()
