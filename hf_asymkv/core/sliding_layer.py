@@ -100,6 +100,22 @@ class SlidingAsymKVLayer(AsymKVLayer):
         raise ValueError("a quantized sliding-window layer cannot take pruned K/V (the kept tokens' positions are "
                          "not known to its mask): use quantize_sliding=False with kvpress presses.")
 
+    def start_at(self, position: int) -> None:
+        """Make this empty layer continue at ``position`` (a multiple of the block size), as one whose first
+        ``position`` tokens its window has already dropped: the next update's first token is at ``position``. What
+        :func:`~hf_asymkv.evals.evaluate.cache_from_prefix` builds a prefilled layer from (a sliding layer's prefix
+        state holds only its last tokens).
+
+        Raises:
+            ValueError: a layer that holds tokens, or a position that is not a non-negative block multiple.
+        """
+        if self.cumulative_length:
+            raise ValueError(f"start_at needs an empty layer, this one holds {self.cumulative_length} tokens.")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0 or position % self.block_size:
+            raise ValueError(f"start_at takes a non-negative multiple of the block size {self.block_size}, got "
+                             f"{position!r}.")
+        self.cumulative_length = self.dropped = position
+
     def get_max_length(self) -> int:
         return self.sliding_window
 

@@ -24,10 +24,9 @@ import torch
 
 from ..bench.schemes import ATTENTION, make_cache
 from ..core.compat import cache_kwargs
-from ..core.sliding_layer import SlidingAsymKVLayer
 from ..models import input_device
 from .common import check_length, progress
-from .evaluate import cache_from_prefix, encode_prompt
+from .evaluate import cache_from_prefix, encode_prompt, sliding_margin, widen_sliding
 from .haystack import split_sentences
 from .needle import make_task
 from .prefill import SHARED_PREFILL_CHUNK, prefill
@@ -123,16 +122,12 @@ def _one_prompt(model, ids: torch.Tensor, schemes: list[str], queries: int,
                 tick: Callable[[str], None] | None = None, shared_chunk: int | None = None) -> dict[str, list[dict]]:
     """Per scheme, per layer stats of one prompt (``schemes[0]`` is the reference); ``tick`` after each scheme; the
     shared prefill runs in forwards of ``shared_chunk`` tokens (:mod:`.prefill`)."""
-    prefilled = make_cache("dynamic", model.config)
+    margin = sliding_margin(make_cache(name, model.config) for name in schemes if name not in ATTENTION)
+    prefilled = widen_sliding(make_cache("dynamic", model.config), margin)  # (a quantized sliding layer needs a block more)
     prefill(model, ids[:, :-queries], prefilled, shared_chunk)
     ref, out = None, {}
     for name in schemes:
-        cache = make_cache(name, model.config)
-        if any(isinstance(layer, SlidingAsymKVLayer) for layer in cache.layers):
-            prefill(model, ids[:, :-queries], cache)  # its own, one forward (cache_from_prefix refuses it)
-        else:
-            cache_from_prefix(cache, prefilled)
-        probs = _attentions(model, cache, ids[:, -queries:])
+        probs = _attentions(model, cache_from_prefix(make_cache(name, model.config), prefilled), ids[:, -queries:])
         ref = probs if ref is None else ref
         out[name] = [attention_stats(r, _aligned(p, r)) for r, p in zip(ref, probs)]
         if tick:

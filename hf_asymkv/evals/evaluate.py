@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..core.compat import DUMMY_LAYER_CLASSES, cache_kwargs
+from ..core.sliding_layer import SlidingAsymKVLayer
 
 __all__ = ["cache_from_prefix", "compare_continuation", "encode_prompt", "eos_ids", "kl_top1", "prompt_question_start",
            "tail_and_decode"]
@@ -66,6 +67,56 @@ def prompt_question_start(tokenizer, prompt, ids: torch.Tensor) -> int:
 _PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, *DUMMY_LAYER_CLASSES)
 
 
+def sliding_margin(caches) -> int:
+    """Tokens a prefilled sliding-window layer must keep beyond its window so that :func:`cache_from_prefix` can fill
+    the quantized sliding-window layers of ``caches``: their largest block size (0: none has one)."""
+    return max((layer.block_size for cache in caches for layer in cache.layers
+                if isinstance(layer, SlidingAsymKVLayer)), default=0)
+
+
+def widen_sliding(cache, margin: int):
+    """Let the ``DynamicSlidingWindowLayer`` layers of ``cache`` (a full-precision cache about to be prefilled) keep
+    ``margin`` tokens more than their window: the model's sliding mask (built from its config) still hides them, so
+    the prefill computes the same attention. Returns ``cache``."""
+    for layer in cache.layers if margin else ():
+        if type(layer) is DynamicSlidingWindowLayer:
+            layer.sliding_window += margin
+            if hasattr(layer, "_sliding_window_tensor"):
+                layer._sliding_window_tensor = torch.tensor(layer.sliding_window, dtype=torch.long)
+    return cache
+
+
+def _copy_plain(layer, source):
+    """A copy of the plain prefilled ``source`` for the fresh plain ``layer``: a sliding-window layer kept wider by
+    :func:`widen_sliding` is cut back to ``layer``'s window, as its own prefill would have left it."""
+    out = copy.deepcopy(source)
+    if type(source) is DynamicSlidingWindowLayer and source.sliding_window != layer.sliding_window:
+        out.sliding_window = layer.sliding_window
+        if hasattr(layer, "_sliding_window_tensor"):
+            out._sliding_window_tensor = layer._sliding_window_tensor.to(source.keys.device)
+        if getattr(out, "keys", None) is not None and out.keys.numel():
+            keep = layer.sliding_window - 1
+            out.keys, out.values = out.keys[:, :, -keep:], out.values[:, :, -keep:]
+    return out
+
+
+def _fill_sliding(cache, i: int, layer: SlidingAsymKVLayer, source) -> None:
+    """Layer ``i``, a quantized sliding-window layer, in the state one prefill of the prefix leaves it in, from a
+    prefilled ``DynamicSlidingWindowLayer`` that kept at least its window plus a block (:func:`widen_sliding`): the
+    blocks the window has left behind dropped, the tokens from the first block still held on given in one update.
+    Blocks are quantized each on its own, so those are the blocks (and the exact tail) the full prefill stores."""
+    total, held = int(source.cumulative_length), source.keys.shape[-2]
+    start = max(0, total - layer.sliding_window + 1) // layer.block_size * layer.block_size
+    if total - held > start:
+        raise ValueError(f"layer {i}: the prefilled sliding-window layer kept its last {held} of {total} tokens; this "
+                         f"quantized one needs the last {total - start} (widen_sliding(prefilled, margin) before "
+                         "the prefill, sliding_margin(caches) gives the margin)")
+    layer.start_at(start)
+    if cache.reuse_watch.layer_idx == i:  # the layer's length is set on purpose, as by a crop
+        cache.reuse_watch.rewound(start)
+    cache.update(source.keys[:, :, held - (total - start):], source.values[:, :, held - (total - start):], i)
+
+
 def cache_from_prefix(cache, prefilled):
     """Put ``cache`` in the state a prefill leaves it in, from a ``DynamicCache`` that ran that prefill.
 
@@ -76,14 +127,21 @@ def cache_from_prefix(cache, prefilled):
     takes it as the prefill (the tail that follows raises no :class:`~hf_asymkv.core.reuse.CacheReuseWarning`).
     Plain layers become copies of the full-precision layer.
 
+    A quantized sliding-window layer (``quantize_sliding=True``) is filled from the prefilled sliding layer, which
+    must have kept its window plus a block (:func:`widen_sliding` with :func:`sliding_margin` before the prefill):
+    :func:`_fill_sliding`.
+
     Raises:
         ValueError: a quantizing layer where the prefilled layer only kept a sliding window (its K/V are not
-            the whole prefix).
+            the whole prefix), or a quantized sliding layer whose prefilled twin was not kept wide enough.
     """
     for i, layer in enumerate(cache.layers):
         source = prefilled.layers[i]
         if type(layer) in _PLAIN_LAYERS:
-            cache.layers[i] = copy.deepcopy(source)
+            cache.layers[i] = _copy_plain(layer, source)
+            continue
+        if isinstance(layer, SlidingAsymKVLayer) and type(source) is DynamicSlidingWindowLayer:
+            _fill_sliding(cache, i, layer, source)
             continue
         if type(source) is not DynamicLayer:
             raise ValueError(f"layer {i}: cannot prefill a {type(layer).__name__} from a {type(source).__name__} "

@@ -30,9 +30,8 @@ from ..bench.peers import PeerLayer
 from ..bench.schemes import ATTENTION, make_cache, scheme_attention
 from ..core.compat import DUMMY_LAYER_CLASSES, cache_kwargs
 from ..core.layer import AsymKVLayer
-from ..core.sliding_layer import SlidingAsymKVLayer
 from ..models import input_device
-from .evaluate import cache_from_prefix, eos_ids
+from .evaluate import cache_from_prefix, eos_ids, sliding_margin, widen_sliding
 from .forms import ONE_PASS, QUESTION, TAIL_FORM, form_chunk, parse_variant
 from .prefill import prefill
 
@@ -48,15 +47,16 @@ def shares_prefill(name: str, cache) -> bool:
 
     True when every layer returns the prefill's K/V exact from the update that stores them: transformers' plain
     and quantized layers (all ``DynamicLayer`` subclasses), KIVI's and ours; False for the per-token peer layers
-    (they quantize the prefill inside its own update), for our quantized sliding-window layers (the prefill's
-    sliding layer keeps only its window, not the whole blocks that straddle its start), for any other layer kind,
-    and for schemes that run another attention implementation (its prefill may round differently).
+    (they quantize the prefill inside its own update), for any other layer kind, and for schemes that run another
+    attention implementation (its prefill may round differently). Our quantized sliding-window layers share it when
+    the prefill kept its sliding layers a block wider (:func:`~hf_asymkv.evals.evaluate.widen_sliding`), as
+    :func:`prefilled_caches` does.
     """
     if name in ATTENTION:
         return False
     for layer in cache.layers:
-        if isinstance(layer, (PeerLayer, SlidingAsymKVLayer)):  # (a sliding layer's prefix state holds only its
-            return False                                         # window: not the blocks the window cuts into)
+        if isinstance(layer, PeerLayer):
+            return False
         if not isinstance(layer, (DynamicLayer, AsymKVLayer, *DUMMY_LAYER_CLASSES)):
             return False
     return True
@@ -102,7 +102,10 @@ def prefilled_caches(model, ids: torch.Tensor, variants: list[str], split: int |
                          f"got {split}")
     shared = logits = None
     if asked & {ONE_PASS, QUESTION}:
-        shared = make_cache("dynamic", model.config)
+        # quantized sliding layers are filled from a sliding layer that kept a block more than its window
+        margin = sliding_margin(make_cache(scheme, model.config) for _, scheme, form in parsed
+                                if form in (ONE_PASS, QUESTION) and scheme not in ATTENTION)
+        shared = widen_sliding(make_cache("dynamic", model.config), margin)
         end = split if QUESTION in asked else ids.shape[1]
         logits = prefill(model, ids[:, :end], shared, shared_chunk)
     for name, scheme, form in parsed:

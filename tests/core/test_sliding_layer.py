@@ -238,3 +238,37 @@ def test_a_file_saved_with_quantized_sliding_layers_needs_them_at_load(hybrid, p
     path = cache.save(tmp_path / "doc.safetensors")
     with pytest.raises(ValueError, match="quantize_sliding=True in the file, False expected"):
         AsymKVCache.load(path, hybrid.config, cache_config=AsymKVConfig(**{**SETTINGS, "quantize_sliding": False}))
+
+
+def test_a_prefix_state_fills_the_layer_as_its_prefill_would(hybrid, prompt):
+    """cache_from_prefix (the evaluations' shared prefill): from a full-precision prefill whose sliding layers kept a
+    block more than their window, the same codes and tail as the cache's own prefill; from one that kept only its
+    window, a refusal that says what to do."""
+    from transformers import DynamicCache
+
+    from hf_asymkv.evals.evaluate import cache_from_prefix, sliding_margin, widen_sliding
+
+    ids = torch.cat([prompt, prompt], dim=1)
+    own = AsymKVCache(hybrid.config, **SETTINGS)
+    with torch.no_grad():
+        hybrid(ids, **cache_kwargs(own))
+    fresh = AsymKVCache(hybrid.config, **SETTINGS)
+    wide = widen_sliding(DynamicCache(config=hybrid.config), sliding_margin([fresh]))
+    narrow = DynamicCache(config=hybrid.config)
+    with torch.no_grad():
+        for prefilled in (wide, narrow):
+            hybrid(ids, **cache_kwargs(prefilled))
+    filled = cache_from_prefix(fresh, wide)
+    for a, b in zip(sliding_layers(own), sliding_layers(filled)):
+        assert (a.cumulative_length, a.dropped) == (b.cumulative_length, b.dropped)
+        for name, buf in a.buffers().items():
+            other = b.buffers()[name]
+            assert (buf.data is None) == (other.data is None), name
+            assert buf.data is None or torch.equal(buf.live, other.live), name
+    with pytest.raises(ValueError, match=r"kept its last 15 of 128 tokens.*widen_sliding"):
+        cache_from_prefix(AsymKVCache(hybrid.config, **SETTINGS), narrow)
+    layer = sliding_layers(fresh)[0]
+    with pytest.raises(ValueError, match="needs an empty layer"):
+        layer.start_at(8)
+    with pytest.raises(ValueError, match="multiple of the block size 4"):
+        SlidingAsymKVLayer(AsymKVConfig(key_block_size=4, sink_tokens=0).resolved([32]).layer_config(), 16).start_at(6)

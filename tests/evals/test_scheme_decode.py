@@ -24,8 +24,9 @@ STEPS = 10
 # One scheme per kind of cache layer: plain, ours (presets differ in settings only; compact has wide key channels,
 # max 1-bit values), ours under the fused attention, transformers' quanto and fp8 layers, KIVI, a per-token peer.
 SCHEMES = ["dynamic", "asymkv-balanced", "asymkv-compact", "asymkv-max", "asymkv-balanced-fused", "hf-quanto-int4",
-           "hf-fp8", "kivi-2", "vllm-int4-pth", "llama-q4_0"]
-SHARED = {"dynamic", "asymkv-balanced", "asymkv-compact", "asymkv-max", "hf-quanto-int4", "hf-fp8", "kivi-2"}
+           "hf-fp8", "kivi-2", "vllm-int4-pth", "llama-q4_0", "asymkv-balanced-sliding", "asymkv-tight-sliding"]
+SHARED = {"dynamic", "asymkv-balanced", "asymkv-compact", "asymkv-max", "hf-quanto-int4", "hf-fp8", "kivi-2",
+          "asymkv-balanced-sliding", "asymkv-tight-sliding"}  # (quantized sliding layers: from a widened prefill)
 
 
 @pytest.fixture(scope="module")
