@@ -88,6 +88,14 @@ for limit in 10 20 30; do
         --limit "$limit" --out "$OUT/gemma3-270m_16k"
 done
 
+# 3b. The sliding-window layers quantized too (quantize_sliding=True, issue 53): balanced and tight at 16k beside full
+#     precision, 30 samples, both forms (a folder of their own, so that its table does not replace step 1's).
+for limit in 10 30; do
+    step "Gemma-3-270M RULER 16k niah_single_2 with quantized sliding layers, $limit samples, both forms" \
+        "${RULER[@]}" --model "$GEMMA" --schemes dynamic,asymkv-balanced-sliding,asymkv-tight-sliding \
+        --max-length 16384 --tasks niah_single_2 --limit "$limit" --out "$OUT/gemma3-270m_16k_sliding"
+done
+
 # 4. What the shared prefill costs at 32k: one forward (before chunking) against chunks (fresh process each).
 [ -f "$OUT/prefill_cost_32k.json" ] && grep -q '"chunk": 0' "$OUT/prefill_cost_32k.json" || step \
     "Gemma-3-270M shared prefill cost at 32k, one forward vs chunks" \
