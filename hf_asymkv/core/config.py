@@ -263,8 +263,12 @@ class AsymKVConfig:
         return {**dataclasses.asdict(self), "layer_overrides": self.overrides()}
 
     def to_dict(self) -> dict:
-        """``{"config_version": CONFIG_VERSION, <every field>}``: what ``asymkv_config.json`` stores."""
-        return {"config_version": CONFIG_VERSION, **self.settings()}
+        """``{"config_version": CONFIG_VERSION, <every field>}``: what ``asymkv_config.json`` stores. ``quantize_sliding``
+        only when set: a file that does not use it stays readable by the 0.1 releases, which do not know it."""
+        settings = self.settings()
+        if not settings["quantize_sliding"]:
+            del settings["quantize_sliding"]
+        return {"config_version": CONFIG_VERSION, **settings}
 
     @classmethod
     def from_dict(cls, data, where: str = "settings") -> AsymKVConfig:

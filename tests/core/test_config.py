@@ -237,3 +237,11 @@ def test_layer_configs_refuse_bad_indices_naming_the_layer(overrides, message):
     c = AsymKVConfig(layer_overrides=overrides).resolved([16])
     with pytest.raises(ValueError, match=message):
         c.layer_configs({0: 16, 2: 16, 3: 16}, TYPES)
+
+
+def test_quantize_sliding_is_written_only_when_set_and_read_back():
+    """A config that leaves it off writes no ``quantize_sliding`` key, so the 0.1 releases (which refuse unknown keys)
+    still read its ``asymkv_config.json``; one that sets it round-trips."""
+    off, on = AsymKVConfig(), AsymKVConfig(quantize_sliding=True)
+    assert "quantize_sliding" not in off.to_dict() and on.to_dict()["quantize_sliding"] is True
+    assert AsymKVConfig.from_dict(off.to_dict()) == off and AsymKVConfig.from_dict(on.to_dict()) == on
