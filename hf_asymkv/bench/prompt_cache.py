@@ -136,9 +136,7 @@ def _kv_shapes(cache) -> list[tuple[torch.Size, torch.Size]]:
     shapes = []
     for layer, shape in zip(cache.layers, cache.shapes):
         if isinstance(layer, QUANTIZED_LAYERS) and layer.is_initialized:
-            held = int(layer.get_seq_length())  # a sliding layer's DynamicCache twin keeps its last window - 1
-            held = min(held, layer.sliding_window - 1) if getattr(layer, "is_sliding", False) else held
-            rows = (_batch(layer), shape.kv_heads, held)
+            rows = (_batch(layer), shape.kv_heads, layer.dense_tokens())  # (a sliding layer's: its window - 1)
             shapes.append((torch.Size([*rows, shape.head_dim]), torch.Size([*rows, shape.value_head_dim or
                                                                             shape.head_dim])))
         elif isinstance(getattr(layer, "keys", None), torch.Tensor):
@@ -174,7 +172,7 @@ def _full_attention_bytes(cache) -> tuple[int, int]:
     """``(bytes, dense elements per token)`` of the quantized full-attention layers (not quantized sliding ones)."""
     total = elements = 0
     for layer in cache.layers:
-        if isinstance(layer, QUANTIZED_LAYERS) and layer.is_initialized and not getattr(layer, "is_sliding", False):
+        if isinstance(layer, QUANTIZED_LAYERS) and layer.is_initialized and not layer.is_sliding:
             parts = layer.memory_footprint()
             total += sum(v for k, v in parts.items() if k != "unused_capacity")
             elements += layer.dense_elements() // max(1, int(layer.get_seq_length()))

@@ -351,13 +351,17 @@ class AsymKVLayer(DenseKVAttributes, LayerAPICompat, CacheLayerMixin):
             out[f"pending_{store.kind}s"] += moved
         return dict(out)
 
+    def dense_tokens(self) -> int:
+        """Tokens transformers' own layer of this kind would hold in full precision: every token seen."""
+        return self.cumulative_length
+
     def dense_elements(self) -> int:
-        """Elements K and V would hold in full precision: ``B * H * seq_len * (D_k + D_v)`` (``2 * B * H * seq_len
-        * D`` in the usual case of equal widths)."""
+        """Elements K and V would hold in full precision: ``B * H * dense_tokens() * (D_k + D_v)`` (``2 * B * H *
+        seq_len * D`` in the usual case of equal widths)."""
         for buf in self.key_store.buffers().values():
             if buf.data is not None:
                 width = self.key_store.head_dim + self.value_store.head_dim
-                return buf.data.shape[0] * buf.data.shape[1] * self.cumulative_length * width
+                return buf.data.shape[0] * buf.data.shape[1] * self.dense_tokens() * width
         return 0
 
     # ------------------------------------------------------------------ internals

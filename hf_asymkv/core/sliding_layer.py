@@ -119,20 +119,18 @@ class SlidingAsymKVLayer(AsymKVLayer):
     def get_max_length(self) -> int:
         return self.sliding_window
 
-    def dense_elements(self) -> int:
-        """Elements transformers' sliding layer would hold in full precision: its last ``sliding_window - 1``
-        tokens, ``B * H * min(seq_len, sliding_window - 1) * (D_k + D_v)``."""
-        if not self.cumulative_length:
-            return 0
-        held = min(self.cumulative_length, self.sliding_window - 1)
-        return super().dense_elements() // self.cumulative_length * held
+    def dense_tokens(self) -> int:
+        """Tokens transformers' sliding layer would hold in full precision: its last ``sliding_window - 1``."""
+        return min(self.cumulative_length, self.sliding_window - 1)
+
+    def kept_from(self, length: int) -> int:
+        """The position of the oldest token this layer keeps once it has seen ``length`` tokens: the start of the
+        block that holds the next query's first visible position (``length - sliding_window + 1``)."""
+        return max(0, length - self.sliding_window + 1) // self.block_size * self.block_size
 
     def _drop_left_behind(self) -> None:
-        """Drop the whole blocks older than the next query's first visible position (``cumulative_length -
-        sliding_window + 1``)."""
-        visible_from = self.cumulative_length - self.sliding_window + 1
-        n = (visible_from - self.dropped) // self.block_size * self.block_size
-        n = min(n, self.key_store.blocks.length)
+        """Drop the whole blocks before :meth:`kept_from` the layer's length (only quantized blocks go)."""
+        n = min(self.kept_from(self.cumulative_length) - self.dropped, self.key_store.blocks.length)
         if n > 0:
             for store in self.stores:
                 store.blocks.drop_front(n)

@@ -269,13 +269,17 @@ class StaticAsymKVLayer(LayerAPICompat, CacheLayerMixin):
         out["bookkeeping"] += sum(t.numel() * t.element_size() for t in small)
         return dict(out)
 
+    def dense_tokens(self) -> int:
+        """Tokens transformers' own layer would hold in full precision: the filled length."""
+        return int(self.get_seq_length())
+
     def dense_elements(self) -> int:
         """Elements K and V would hold in full precision for the filled length."""
         check_usable(self)
         if not self.is_initialized:
             return 0
         key, value = self.stores
-        return self.batch_size * key.heads * int(self.length) * (key.head_dim + value.head_dim)
+        return self.batch_size * key.heads * self.dense_tokens() * (key.head_dim + value.head_dim)
 
     @property
     def stats(self) -> Counter:

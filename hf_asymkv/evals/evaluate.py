@@ -106,7 +106,7 @@ def _fill_sliding(cache, i: int, layer: SlidingAsymKVLayer, source) -> None:
     blocks the window has left behind dropped, the tokens from the first block still held on given in one update.
     Blocks are quantized each on its own, so those are the blocks (and the exact tail) the full prefill stores."""
     total, held = int(source.cumulative_length), source.keys.shape[-2]
-    start = max(0, total - layer.sliding_window + 1) // layer.block_size * layer.block_size
+    start = layer.kept_from(total)
     if total - held > start:
         raise ValueError(f"layer {i}: the prefilled sliding-window layer kept its last {held} of {total} tokens; this "
                          f"quantized one needs the last {total - start} (widen_sliding(prefilled, margin) before "
